@@ -1,0 +1,479 @@
+"""Which PyTensor backend should ``lasagne_accum`` use by default?
+
+Measures, side by side in one run, the per-call time of the three kinds of
+compiled functions the library produces, for a 784-512-10 ReLU MLP with
+softmax cross-entropy (batch 64, random data from ``numpy.random.RandomState``),
+in float32 and float64:
+
+1. ``fwd-bwd``    -- ``pytensor.function([x, y], grads)`` (gradients of the loss
+                     w.r.t. W1, b1, W2, b2 returned as outputs);
+2. ``accumulate`` -- ``pytensor.function([x, y], loss,
+                     updates={acc: acc + grad})`` into shared accumulators
+                     (plus a shared step counter);
+3. ``adam apply`` -- ``pytensor.function([], [], updates=...)``: a Lasagne-style
+                     Adam step on ``acc / count`` that also resets the
+                     accumulators and the counter to zero.
+
+Backend configurations (each in its own, persistent, worker process):
+
+* ``numba``    -- ``mode="NUMBA"`` (PyTensor 3's default);
+* ``c-blas``   -- ``mode="CVM"`` (= ``Mode(linker="cvm", optimizer="fast_run")``)
+                  with the auto-detected ``blas__ldflags``;
+* ``c-noblas`` -- ``mode="CVM"`` with ``PYTENSOR_FLAGS=blas__ldflags=``.  Note:
+                  PyTensor then has no C BLAS, so its Dot22/Gemm ops fall back
+                  to their Python ``perform`` (``numpy.dot``, i.e. NumPy's own
+                  bundled BLAS); the worker reports which nodes run without a
+                  C thunk;
+* ``torch``    -- optional PyTorch float32 reference (only if ``import torch``
+                  works): ``torch.autograd.grad`` for fwd-bwd, ``loss.backward()``
+                  without ``zero_grad`` for accumulate, ``torch.optim.Adam.step()``
+                  for adam (grads are not divided by a count nor zeroed there).
+                  ``torch.set_num_threads`` is set to OpenBLAS' thread count.
+
+Timing: every worker compiles and warms up first; then, for each round, the
+parent asks every worker in turn (rotating the order each round) to time
+``--calls`` back-to-back calls of each function; the table reports the median
+over rounds of the per-round median time per call.  The float32 graphs are checked to
+contain no float64 variable (floatX stays at its float64 default).
+
+Run (about 2 minutes on 2 cores once compiled; the first run also compiles the
+C and Numba code, roughly 2 more minutes, cached afterwards)::
+
+    python benchmarks/backends.py            # full run
+    python benchmarks/backends.py --quick    # smoke test, < 1 minute
+    python benchmarks/backends.py --graphs   # also dprint the compiled graphs
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.abspath(__file__)
+SEED = 1234
+BATCH, N_IN, N_HID, N_OUT = 64, 784, 512, 10
+DTYPES = ("float32", "float64")
+KINDS = ("fwd-bwd", "accumulate", "adam")
+PROTO = "@@BENCH "  # prefix of protocol lines on a worker's stdout
+
+CONFIGS = {
+    "numba": {"mode": "NUMBA", "flags": ""},
+    "c-blas": {"mode": "CVM", "flags": ""},
+    "c-noblas": {"mode": "CVM", "flags": "blas__ldflags="},
+    "torch": {"mode": None, "flags": ""},
+}
+
+
+# --------------------------------------------------------------------------
+# helpers shared by workers
+# --------------------------------------------------------------------------
+def make_data(dtype):
+    import numpy as np
+
+    rng = np.random.RandomState(SEED)
+
+    def glorot(n_in, n_out):
+        lim = np.sqrt(6.0 / (n_in + n_out))
+        return rng.uniform(-lim, lim, size=(n_in, n_out)).astype(dtype)
+
+    params = [
+        glorot(N_IN, N_HID),
+        np.zeros(N_HID, dtype=dtype),
+        glorot(N_HID, N_OUT),
+        np.zeros(N_OUT, dtype=dtype),
+    ]
+    x = rng.standard_normal((BATCH, N_IN)).astype(dtype)
+    y = rng.randint(0, N_OUT, size=BATCH).astype("int32")
+    return params, x, y
+
+
+def openblas_threads():
+    """Thread counts of the system OpenBLAS (PyTensor's C BLAS) and NumPy's."""
+    out = {}
+    try:
+        lib = ctypes.CDLL("libopenblas.so.0")
+        out["system_openblas"] = lib.openblas_get_num_threads()
+    except (OSError, AttributeError):
+        out["system_openblas"] = None
+    try:
+        import numpy as np
+
+        libdir = os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs")
+        for path in glob.glob(os.path.join(libdir, "libscipy_openblas*.so*")):
+            lib = ctypes.CDLL(path)
+            for fn in ("scipy_openblas_get_num_threads64_", "scipy_openblas_get_num_threads"):
+                if hasattr(lib, fn):
+                    out["numpy_openblas"] = getattr(lib, fn)()
+                    break
+    except OSError:
+        pass
+    return out
+
+
+def time_calls(fn, n_calls, n_warm, args=()):
+    """Median wall time (ms) of ``n_calls`` back-to-back calls after ``n_warm``.
+
+    The per-call median (not the mean) keeps the occasional preemption on a
+    shared machine out of the number.
+    """
+    for _ in range(n_warm):
+        fn(*args)
+    if n_calls == 0:
+        return None
+    clock = time.perf_counter
+    times = [0.0] * n_calls
+    for i in range(n_calls):
+        t0 = clock()
+        fn(*args)
+        times[i] = clock() - t0
+    return statistics.median(times) * 1e3
+
+
+# --------------------------------------------------------------------------
+# PyTensor worker
+# --------------------------------------------------------------------------
+def build_pytensor(dtype, mode):
+    import numpy as np
+    import pytensor
+    import pytensor.tensor as pt
+
+    def c(v):  # constant in the model dtype (floatX stays float64)
+        return pt.constant(np.asarray(v, dtype=dtype))
+
+    init, xv, yv = make_data(dtype)
+    names = ["W1", "b1", "W2", "b2"]
+    params = [pytensor.shared(p, name=n) for p, n in zip(init, names)]
+    W1, b1, W2, b2 = params
+    x = pt.matrix("x", dtype=dtype)
+    y = pt.ivector("y")
+    h = pt.maximum(x @ W1 + b1, c(0))
+    logp = pt.special.log_softmax(h @ W2 + b2, axis=-1)
+    loss = -pt.mean(logp[pt.arange(y.shape[0]), y])
+    assert loss.dtype == dtype, loss.dtype
+    grads = pytensor.grad(loss, params)
+
+    accs = [pytensor.shared(np.zeros_like(p), name="acc_" + n) for p, n in zip(init, names)]
+    count = pytensor.shared(np.asarray(0, dtype=dtype), name="count")
+    acc_updates = {a: a + g for a, g in zip(accs, grads)}
+    acc_updates[count] = count + c(1)
+
+    # Lasagne-style adam on the averaged accumulated gradients
+    lr, beta1, beta2, eps = c(1e-3), c(0.9), c(0.999), c(1e-8)
+    one = c(1)
+    t_prev = pytensor.shared(np.asarray(0, dtype=dtype), name="t_prev")
+    t = t_prev + one
+    a_t = lr * pt.sqrt(one - beta2**t) / (one - beta1**t)
+    denom = pt.maximum(count, one)
+    adam_updates = {}
+    for p, a, n in zip(params, accs, names):
+        g = a / denom
+        m_prev = pytensor.shared(np.zeros_like(p.get_value()), name="m_" + n)
+        v_prev = pytensor.shared(np.zeros_like(p.get_value()), name="v_" + n)
+        m_t = beta1 * m_prev + (one - beta1) * g
+        v_t = beta2 * v_prev + (one - beta2) * g**2
+        adam_updates[m_prev] = m_t
+        adam_updates[v_prev] = v_t
+        adam_updates[p] = p - a_t * m_t / (pt.sqrt(v_t) + eps)
+        adam_updates[a] = pt.zeros_like(a)
+    adam_updates[t_prev] = t
+    adam_updates[count] = pt.zeros_like(count)
+    for k, v in {**acc_updates, **adam_updates}.items():
+        assert v.dtype == k.dtype, (k, v.dtype)
+
+    t0 = time.perf_counter()
+    fns = {
+        "fwd-bwd": pytensor.function([x, y], grads, mode=mode),
+        "accumulate": pytensor.function([x, y], loss, updates=acc_updates, mode=mode),
+        "adam": pytensor.function([], [], updates=adam_updates, mode=mode),
+    }
+    compile_s = time.perf_counter() - t0
+    calls = {
+        "fwd-bwd": lambda: fns["fwd-bwd"](xv, yv),
+        "accumulate": lambda: fns["accumulate"](xv, yv),
+        "adam": fns["adam"],
+    }
+    return fns, calls, accs, compile_s
+
+
+def inspect_fn(fn, dtype, accs=()):
+    """Summarise a compiled function: ops, non-C nodes, float64 leaks, Gemm on accs."""
+    fg = fn.maker.fgraph
+    nodes = fg.toposort()
+    info = {"n_nodes": len(nodes), "ops": sorted({str(n.op) for n in nodes})}
+    if dtype == "float32":
+        info["float64_vars"] = sum(
+            1 for v in fg.variables if getattr(v.type, "dtype", None) == "float64"
+        )
+    vm = getattr(fn, "vm", None)
+    thunks = getattr(vm, "thunks", None)
+    if thunks is not None and len(thunks) == len(vm.nodes):
+        info["py_thunk_ops"] = sorted(
+            {str(n.op) for n, th in zip(vm.nodes, thunks) if not hasattr(th, "cthunk")}
+        )
+    if accs:
+        acc_in = {
+            fg.inputs[i]: i_in.variable.name
+            for i, i_in in enumerate(fn.maker.inputs)
+            if i_in.variable in set(accs)
+        }
+        gemm_on_acc = []
+        for n in nodes:
+            if "Gemm" in type(n.op).__name__ and n.inputs and n.inputs[0] in acc_in:
+                gemm_on_acc.append(f"{n.op} on {acc_in[n.inputs[0]]}")
+        info["gemm_on_acc"] = gemm_on_acc
+    return info
+
+
+def worker_pytensor(name, args):
+    import numpy as np
+    import pytensor
+
+    cfg = CONFIGS[name]
+    meta = {
+        "pytensor": pytensor.__version__,
+        "numpy": np.__version__,
+        "blas__ldflags": pytensor.config.blas__ldflags,
+        "floatX": pytensor.config.floatX,
+        "threads": openblas_threads(),
+        "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")},
+    }
+    built = {}
+    for dtype in DTYPES:
+        fns, calls, accs, compile_s = build_pytensor(dtype, cfg["mode"])
+        built[dtype] = calls
+        meta[f"compile_s_{dtype}"] = round(compile_s, 2)
+        meta[f"graph_{dtype}"] = {
+            k: inspect_fn(f, dtype, accs if k == "accumulate" else ()) for k, f in fns.items()
+        }
+        if args.graphs:
+            for k, f in fns.items():
+                print(f"\n===== {name} {dtype} {k} =====", file=sys.stderr)
+                pytensor.dprint(f, file=sys.stderr)
+        for k in KINDS:  # JIT / first-call warm-up
+            time_calls(calls[k], 0, 3)
+    return meta, built
+
+
+# --------------------------------------------------------------------------
+# PyTorch worker
+# --------------------------------------------------------------------------
+def worker_torch(name, args):
+    import numpy as np
+    import torch
+
+    threads = openblas_threads()
+    n_threads = threads.get("system_openblas") or os.cpu_count()
+    torch.set_num_threads(n_threads)
+    meta = {
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "threads": threads,
+    }
+    dtype = "float32"
+    init, xv, yv = make_data(dtype)
+    params = [torch.tensor(p, requires_grad=True) for p in init]
+    W1, b1, W2, b2 = params
+    x, y = torch.from_numpy(xv), torch.from_numpy(yv).long()
+    opt = torch.optim.Adam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
+
+    def loss_fn():
+        h = torch.relu(x @ W1 + b1)
+        return torch.nn.functional.cross_entropy(h @ W2 + b2, y)
+
+    def fwd_bwd():
+        return torch.autograd.grad(loss_fn(), params)
+
+    def accumulate():
+        loss = loss_fn()
+        loss.backward()  # accumulates into .grad (no zero_grad)
+        return loss.detach()
+
+    accumulate()  # make sure every .grad exists for the optimizer
+    calls = {"fwd-bwd": fwd_bwd, "accumulate": accumulate, "adam": opt.step}
+    for k in KINDS:
+        time_calls(calls[k], 0, 3)
+    return meta, {dtype: calls}
+
+
+def worker_main(args):
+    name = args.worker
+    # keep the protocol channel clean of library chatter (compiler output etc.)
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    build = worker_torch if name == "torch" else worker_pytensor
+    meta, built = build(name, args)
+    proto.write(PROTO + json.dumps({"ready": meta}) + "\n")
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        res = {}
+        for dtype, calls in built.items():
+            for k in KINDS:
+                res[f"{dtype}/{k}"] = time_calls(calls[k], args.calls, args.warmup)
+        proto.write(PROTO + json.dumps({"result": res}) + "\n")
+
+
+# --------------------------------------------------------------------------
+# parent
+# --------------------------------------------------------------------------
+def read_proto(proc):
+    while True:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker exited early (rc={proc.wait()}); rerun with --verbose")
+        if line.startswith(PROTO):
+            return json.loads(line[len(PROTO):])
+
+
+def have_torch():
+    r = subprocess.run(
+        [sys.executable, "-c", "import torch"], capture_output=True, text=True
+    )
+    return r.returncode == 0
+
+
+def start_worker(name, args):
+    env = dict(os.environ)
+    flags = CONFIGS[name]["flags"]
+    if flags:
+        old = env.get("PYTENSOR_FLAGS", "")
+        env["PYTENSOR_FLAGS"] = f"{old},{flags}" if old else flags
+    cmd = [sys.executable, HERE, "--worker", name, "--calls", str(args.calls),
+           "--warmup", str(args.warmup)]
+    if args.graphs:
+        cmd.append("--graphs")
+    stderr = None if args.graphs or args.verbose else subprocess.DEVNULL
+    return subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=stderr, text=True, bufsize=1)
+
+
+def fmt(v, width=8, prec=3):
+    return f"{v:{width}.{prec}f}" if v is not None else " " * (width - 1) + "-"
+
+
+def parent_main(args):
+    t_start = time.perf_counter()
+    load0 = os.getloadavg()
+    names = ["numba", "c-blas", "c-noblas"] + (["torch"] if have_torch() else [])
+    procs, meta = {}, {}
+    for n in names:  # compile one at a time so compilation does not skew timings
+        procs[n] = start_worker(n, args)
+        meta[n] = read_proto(procs[n])["ready"]
+    t_setup = time.perf_counter() - t_start
+
+    samples = {n: {} for n in names}
+    for r in range(args.rounds):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for n in order:
+            procs[n].stdin.write("run\n")
+            for key, ms in read_proto(procs[n])["result"].items():
+                samples[n].setdefault(key, []).append(ms)
+    for p in procs.values():
+        p.stdin.close()
+        p.wait()
+    med = {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()}
+    best = {n: {k: min(v) for k, v in s.items()} for n, s in samples.items()}
+
+    # ---- header ----
+    pm = next(meta[n] for n in names if n != "torch")
+    print(f"pytensor {pm['pytensor']}, numpy {pm['numpy']}, python {sys.version.split()[0]}"
+          f", cpus {os.cpu_count()}")
+    for n in names:
+        m = meta[n]
+        if n == "torch":
+            print(f"  {n:9s} torch {m['torch']}, torch threads {m['torch_threads']}, "
+                  f"openblas threads {m['threads']}")
+            continue
+        print(f"  {n:9s} mode={CONFIGS[n]['mode']} blas__ldflags={m['blas__ldflags']!r} "
+              f"openblas threads {m['threads']} env {m['env']}")
+        print(f"  {'':9s} compile s: f32 {m['compile_s_float32']}, f64 {m['compile_s_float64']}")
+        g32 = m["graph_float32"]
+        leaks = {k: v["float64_vars"] for k, v in g32.items() if v.get("float64_vars")}
+        print(f"  {'':9s} float64 variables in float32 graphs: {leaks or 0}")
+        if n == "numba":
+            continue
+        # the graphs are the same for both dtypes; report float32
+        blas_ops = sorted({o for v in g32.values() for o in v["ops"]
+                           if any(b in o for b in ("Gemm", "Dot", "Gemv", "Ger"))})
+        py = sorted({o for v in g32.values() for o in v.get("py_thunk_ops", [])})
+        print(f"  {'':9s} BLAS-type ops: {blas_ops}")
+        print(f"  {'':9s} ops without C thunk (Python perform): {py or 'none'}")
+        print(f"  {'':9s} accumulate: Gemm writing into an accumulator: "
+              f"{g32['accumulate'].get('gemm_on_acc') or 'none'}")
+        if not m["blas__ldflags"]:
+            print(f"  {'':9s} NOTE: no C BLAS, but not BLAS-free: Dot22 runs numpy.dot in "
+                  "Python and Gemm's C code calls PyArray_MatrixProduct2, both using "
+                  "NumPy's bundled OpenBLAS")
+    print(f"rounds {args.rounds} x {args.calls} calls (warm-up {args.warmup}); "
+          f"ms/call = median over rounds of per-round median")
+    print()
+
+    # ---- table ----
+    has_torch = "torch" in names
+    hdr = (f"{'backend':9s} {'dtype':7s} {'fwd-bwd':>8s} {'accum':>8s} {'adam':>8s}"
+           f" {'acc/fb':>7s} {'adam/acc':>8s}")
+    if has_torch:
+        hdr += f" {'acc/torch':>9s} {'adam/torch':>10s}"
+    print(hdr)
+    print("-" * len(hdr))
+    tref = med.get("torch", {})
+    for n in names:
+        for dt in DTYPES:
+            if f"{dt}/fwd-bwd" not in med[n]:
+                continue
+            fb, acc, ad = (med[n][f"{dt}/{k}"] for k in KINDS)
+            row = (f"{n:9s} {dt:7s} {fmt(fb)} {fmt(acc)} {fmt(ad)}"
+                   f" {fmt(acc / fb, 7, 2)} {fmt(ad / acc, 8, 3)}")
+            if has_torch:
+                ta, tad = tref.get("float32/accumulate"), tref.get("float32/adam")
+                row += f" {fmt(acc / ta, 9, 2)} {fmt(ad / tad, 10, 2)}"
+            print(row)
+    print()
+    if has_torch:
+        print("ratios vs torch use torch float32 (backward-accumulate; optimizer.step)")
+    print("best round (min over rounds), ms/call fwd-bwd / accum / adam:")
+    for n in names:
+        print(f"  {n:9s} " + "   ".join(
+            f"{dt} " + " / ".join(f"{best[n][f'{dt}/{k}']:.3f}" for k in KINDS)
+            for dt in DTYPES if f"{dt}/fwd-bwd" in best[n]))
+    spread = max(
+        (max(v) - min(v)) / statistics.median(v)
+        for s in samples.values() for v in s.values()
+    )
+    print("load average at start / end: "
+          f"{load0[0]:.2f} / {os.getloadavg()[0]:.2f} (1-min; > 0 means other work on the box)")
+    print(f"setup {t_setup:.1f} s, total {time.perf_counter() - t_start:.1f} s; "
+          f"max (max-min)/median over rounds {spread:.0%}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="few rounds/calls (smoke test)")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--calls", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--graphs", action="store_true", help="dprint compiled graphs to stderr")
+    ap.add_argument("--verbose", action="store_true", help="show workers' stderr")
+    ap.add_argument("--worker", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    q = args.quick
+    args.rounds = args.rounds or (2 if q else 7)
+    args.calls = args.calls or (30 if q else 200)
+    args.warmup = args.warmup if args.warmup is not None else (3 if q else 10)
+    if args.worker:
+        worker_main(args)
+    else:
+        parent_main(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""lasagne_accum: Lasagne-style symbolic update rules for PyTensor.
+
+Every function builds graph and returns an ``OrderedDict`` of updates for
+``pytensor.function``; nothing runs behind your back. Beyond Lasagne's rule
+set, the library accumulates gradients over mini-batches (train with an
+effective batch of N*B when only B fits in memory) in a two-function form
+(:func:`accumulate_gradients`) and a single-function form (``average=N`` on
+every rule, :func:`with_accumulated_gradients`).
+"""
+
+__version__ = "0.1.0"
+
+from . import updates
+from .accumulate import Accumulation, accumulate_gradients, reset
+from .averaged import with_accumulated_gradients
+from .constraints import norm_constraint, total_norm_constraint
+from .grads import get_or_compute_grads
+from .training import AccumulationTrainer, compile_accumulation, run_epoch
+from .updates import (
+    adadelta,
+    adagrad,
+    adam,
+    adamax,
+    amsgrad,
+    apply_momentum,
+    apply_nesterov_momentum,
+    momentum,
+    nesterov_momentum,
+    rmsprop,
+    sgd,
+)
+
+__all__ = [
+    "__version__",
+    "updates",
+    "sgd",
+    "momentum",
+    "nesterov_momentum",
+    "apply_momentum",
+    "apply_nesterov_momentum",
+    "adagrad",
+    "rmsprop",
+    "adadelta",
+    "adam",
+    "adamax",
+    "amsgrad",
+    "get_or_compute_grads",
+    "norm_constraint",
+    "total_norm_constraint",
+    "accumulate_gradients",
+    "reset",
+    "Accumulation",
+    "with_accumulated_gradients",
+    "compile_accumulation",
+    "AccumulationTrainer",
+    "run_epoch",
+]

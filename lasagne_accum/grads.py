@@ -1,0 +1,291 @@
+"""Gradients, parameter checks and the one helper that makes state.
+
+Every module of :mod:`lasagne_accum` builds its state (velocities, moments,
+accumulators, counters) through :func:`state_like` and :func:`scalar_state`,
+so all state variables follow one convention: same dtype (or a wider float
+for accumulators), same static shape as their parameter, and a readable,
+stable name such as ``W1.adam_m`` that checkpoints rely on.
+"""
+
+import numbers
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+from pytensor.compile.sharedvalue import SharedVariable
+from pytensor.tensor.type import TensorType
+from pytensor.tensor.variable import TensorVariable
+
+__all__ = [
+    "get_or_compute_grads",
+    "check_params",
+    "param_label",
+    "state_like",
+    "scalar_state",
+    "hyperparameter",
+    "accumulator_dtype",
+]
+
+_FLOAT_DTYPES = ("float16", "float32", "float64")
+
+
+def param_label(param, index=None):
+    """A human-readable name for `param` in messages and state names."""
+    if getattr(param, "name", None):
+        return param.name
+    return f"param{index}" if index is not None else repr(param)
+
+
+def check_params(params, where="params"):
+    """Validate a list of parameters and return it as a list.
+
+    Parameters
+    ----------
+    params : list of shared variables
+        The parameters an update dictionary will update.
+    where : str
+        What to call the list in error messages.
+
+    Returns
+    -------
+    list
+        `params` as a new list.
+
+    Raises
+    ------
+    TypeError
+        If `params` is not a list or tuple (a single shared variable, a dict),
+        if an element is not a shared tensor variable, or if its dtype is not
+        a float type.
+    ValueError
+        If the same parameter appears twice.
+    """
+    if isinstance(params, SharedVariable):
+        raise TypeError(
+            f"{where} must be a list of shared variables, got the single shared "
+            f"variable {param_label(params)}; wrap it in a list: [{param_label(params)}]"
+        )
+    if isinstance(params, (dict, str)) or not hasattr(params, "__iter__"):
+        raise TypeError(
+            f"{where} must be a list of shared variables, got {type(params).__name__}"
+        )
+    params = list(params)
+    seen = {}
+    for i, p in enumerate(params):
+        if not isinstance(p, SharedVariable):
+            raise TypeError(
+                f"{where}[{i}] ({param_label(p, i)}) is a {type(p).__name__}, not a "
+                "shared variable: update rules can only update shared variables "
+                "(create it with pytensor.shared(numpy_array, name=...))"
+            )
+        if not isinstance(p.type, TensorType):
+            raise TypeError(f"{where}[{i}] ({param_label(p, i)}) is not a tensor")
+        if p.type.dtype not in _FLOAT_DTYPES:
+            raise TypeError(
+                f"{where}[{i}] ({param_label(p, i)}) has dtype {p.type.dtype}; "
+                "only float16/float32/float64 parameters can be trained "
+                "(an integer parameter has no gradient)"
+            )
+        if id(p) in seen:
+            raise ValueError(
+                f"{where}[{i}] ({param_label(p, i)}) is the same variable as "
+                f"{where}[{seen[id(p)]}]; pass each parameter once"
+            )
+        seen[id(p)] = i
+    return params
+
+
+def _check_grad(grad, param, i):
+    """Return `grad` as a tensor of `param`'s dtype, or raise naming `param`."""
+    label = param_label(param, i)
+    try:
+        grad = pt.as_tensor_variable(grad)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"gradient for {label} is not a tensor expression: {exc}") from None
+    if grad.type.ndim != param.type.ndim:
+        raise ValueError(
+            f"gradient for {label} has {grad.type.ndim} dimensions but {label} has "
+            f"{param.type.ndim}; pass grads in the same order as params"
+        )
+    pshape = param.type.shape
+    # A shared variable's static shape is usually unknown; its value is not.
+    value_shape = np.shape(param.get_value(borrow=True))
+    for axis, (g, p, v) in enumerate(zip(grad.type.shape, pshape, value_shape)):
+        known = p if p is not None else v
+        if g is not None and g != known:
+            raise ValueError(
+                f"gradient for {label} has length {g} on axis {axis} but {label} has "
+                f"length {known}; pass grads in the same order as params"
+            )
+    if not grad.type.dtype.startswith("float"):
+        raise TypeError(
+            f"gradient for {label} has dtype {grad.type.dtype}; a float gradient is needed"
+        )
+    if grad.type.dtype != param.type.dtype:
+        grad = pt.cast(grad, param.type.dtype)
+    return grad
+
+
+def get_or_compute_grads(loss_or_grads, params):
+    """Return a list of gradient expressions, one per parameter.
+
+    Parameters
+    ----------
+    loss_or_grads : symbolic scalar or list of expressions
+        A scalar loss expression, or a list of gradient expressions (one per
+        parameter, in the order of `params`).
+    params : list of shared variables
+        The variables to return the gradients for.
+
+    Returns
+    -------
+    list of expressions
+        If `loss_or_grads` is a list, its elements checked against `params`
+        and cast to each parameter's dtype; otherwise
+        ``pytensor.grad(loss_or_grads, params)``.
+
+    Raises
+    ------
+    ValueError
+        If `loss_or_grads` is a list of a different length than `params`, a
+        gradient's shape cannot match its parameter, the loss is not a scalar,
+        or a parameter appears twice.
+    TypeError
+        If an element of `params` is not a float shared variable.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor, pytensor.tensor as pt
+    >>> w = pytensor.shared(np.ones(3), name="w")
+    >>> x = pt.vector("x")
+    >>> (g,) = get_or_compute_grads(pt.sum(w * x), [w])
+    >>> g.eval({x: [1.0, 2.0, 3.0]})
+    array([1., 2., 3.])
+    """
+    params = check_params(params)
+    if isinstance(loss_or_grads, (list, tuple)):
+        if len(loss_or_grads) != len(params):
+            raise ValueError(
+                f"got {len(loss_or_grads)} gradient expressions for {len(params)} "
+                "parameters; pass one gradient per parameter"
+            )
+        return [_check_grad(g, p, i) for i, (g, p) in enumerate(zip(loss_or_grads, params))]
+    if not isinstance(loss_or_grads, pytensor.graph.basic.Variable):
+        raise TypeError(
+            "loss_or_grads must be a scalar loss expression or a list of gradients, "
+            f"got {type(loss_or_grads).__name__}"
+        )
+    if getattr(loss_or_grads.type, "ndim", None) != 0:
+        raise ValueError(
+            f"the loss must be a scalar, got {loss_or_grads.type}; "
+            "reduce it first (for example with .mean())"
+        )
+    grads = pytensor.grad(loss_or_grads, params)
+    return [_check_grad(g, p, i) for i, (g, p) in enumerate(zip(grads, params))]
+
+
+def accumulator_dtype(dtype):
+    """The dtype to accumulate values of `dtype` in: at least float32."""
+    return "float64" if str(dtype) == "float64" else "float32"
+
+
+def state_like(param, suffix, index=None, dtype=None, value=0.0):
+    """A shared variable shaped like `param`, filled with `value`.
+
+    Parameters
+    ----------
+    param : shared variable
+        The parameter the state belongs to.
+    suffix : str
+        Appended to the parameter's name: ``W1`` and ``"adam_m"`` give
+        ``W1.adam_m``.
+    index : int, optional
+        Position of `param` in its list, used in the name when the parameter
+        has none (``param0.adam_m``).
+    dtype : str, optional
+        Defaults to the parameter's dtype.
+    value : float
+        Initial value of every element.
+
+    Returns
+    -------
+    TensorSharedVariable
+        With the parameter's static shape (broadcast pattern) and current
+        value shape.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor
+    >>> W = pytensor.shared(np.ones((2, 3), dtype="float32"), name="W", shape=(2, 3))
+    >>> m = state_like(W, "adam_m")
+    >>> m.name, m.type.dtype, m.type.shape, m.get_value().sum()
+    ('W.adam_m', 'float32', (2, 3), np.float32(0.0))
+    """
+    dtype = dtype or param.type.dtype
+    shape = np.shape(param.get_value(borrow=True))
+    return pytensor.shared(
+        np.full(shape, value, dtype=dtype),
+        name=f"{param_label(param, index)}.{suffix}",
+        shape=param.type.shape,
+    )
+
+
+def scalar_state(name, dtype, value=0):
+    """A scalar shared variable (a counter or a running total).
+
+    Examples
+    --------
+    >>> t = scalar_state("adam.t", "float32")
+    >>> t.name, t.type.dtype, t.type.ndim
+    ('adam.t', 'float32', 0)
+    """
+    return pytensor.shared(np.asarray(value, dtype=dtype), name=name)
+
+
+def hyperparameter(value, name, dtype, *, low=None, high=None, high_open=False):
+    """Return `value` as a scalar of `dtype`, checking Python numbers.
+
+    Parameters
+    ----------
+    value : number or symbolic scalar
+        A Python/numpy number, or a scalar expression (a shared learning rate,
+        for example, so that a schedule can change it between calls).
+    name : str
+        The hyperparameter's name, for error messages.
+    dtype : str
+        The dtype of the parameter it will be combined with; the value is cast
+        to it so that a float32 model stays float32.
+    low, high : float, optional
+        Allowed range for a number (inclusive; `high` exclusive when
+        `high_open`). Symbolic values cannot be checked at build time.
+
+    Raises
+    ------
+    TypeError
+        If `value` is neither a number nor a scalar expression.
+    ValueError
+        If a number is not finite or lies outside the allowed range.
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a number or a symbolic scalar, got a bool")
+    if isinstance(value, (numbers.Real, np.number)) or (
+        isinstance(value, np.ndarray) and value.ndim == 0
+    ):
+        number = float(value)
+        if not np.isfinite(number):
+            raise ValueError(f"{name} must be finite, got {number}")
+        if low is not None and number < low:
+            raise ValueError(f"{name} must be >= {low}, got {number}")
+        if high is not None and (number > high or (high_open and number == high)):
+            bound = "<" if high_open else "<="
+            raise ValueError(f"{name} must be {bound} {high}, got {number}")
+        return pt.constant(np.asarray(number, dtype=dtype), name=name)
+    if isinstance(value, pytensor.graph.basic.Variable):
+        if getattr(value.type, "ndim", None) != 0:
+            raise TypeError(f"{name} must be a scalar, got {value.type}")
+        if not isinstance(value, TensorVariable):
+            value = pt.as_tensor_variable(value)
+        return value if value.type.dtype == dtype else pt.cast(value, dtype)
+    raise TypeError(
+        f"{name} must be a number or a symbolic scalar, got {type(value).__name__}"
+    )

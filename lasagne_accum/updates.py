@@ -1,0 +1,860 @@
+"""Lasagne's update rules on PyTensor.
+
+Every rule builds graph and returns an :class:`~collections.OrderedDict`
+mapping each shared variable (parameters and the rule's state) to its new
+value; compile it with ``pytensor.function(inputs, outputs, updates=...)``.
+Signatures, defaults and formulas are Lasagne's, so a script written for
+``lasagne.updates`` only changes its import.
+
+Three additions, all optional:
+
+* ``average=N`` (every loss-based rule): the dictionary accumulates the
+  gradients of N calls and steps on every N-th call only, in one compiled
+  function (see :func:`lasagne_accum.with_accumulated_gradients`).
+* Calling a rule with neither `loss_or_grads` nor `params` returns a partial
+  of it with the given hyperparameters (the PyMC convention), to hand to
+  another function as ``update_rule``.
+* Dtypes are kept: a float32 model compiles to float32 updates under
+  PyTensor's default ``floatX=float64``.
+
+The functions `norm_constraint`, `total_norm_constraint` and
+`get_or_compute_grads` are re-exported here as in Lasagne.
+"""
+
+from collections import OrderedDict
+from functools import partial
+
+import numpy as np
+import pytensor.tensor as pt
+
+from .constraints import norm_constraint, total_norm_constraint
+from .grads import (
+    accumulator_dtype,
+    check_params,
+    get_or_compute_grads,
+    hyperparameter,
+    param_label,
+    scalar_state,
+    state_like,
+)
+
+__all__ = [
+    "sgd",
+    "momentum",
+    "nesterov_momentum",
+    "apply_momentum",
+    "apply_nesterov_momentum",
+    "adagrad",
+    "rmsprop",
+    "adadelta",
+    "adam",
+    "adamax",
+    "amsgrad",
+    "get_or_compute_grads",
+    "norm_constraint",
+    "total_norm_constraint",
+]
+
+
+def check_every(every, name="average"):
+    """Return `every` as an int >= 1, or raise naming `name`."""
+    if isinstance(every, (bool, np.bool_)) or not isinstance(every, (int, np.integer)):
+        if hasattr(every, "type"):
+            raise TypeError(
+                f"{name} must be a Python integer, not a symbolic variable: the number of "
+                "batches per step fixes the structure of the update dictionary"
+            )
+        raise TypeError(f"{name} must be an integer >= 1, got {every!r}")
+    if every < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {every}")
+    return int(every)
+
+
+def _build(rule, core, loss_or_grads, params, average, weight, hyper):
+    """Shared front end of every loss-based rule.
+
+    Returns a partial of `rule` when both `loss_or_grads` and `params` are
+    omitted, routes ``average > 1`` to the accumulating wrapper, and otherwise
+    checks the inputs and calls ``core(grads, params, **hyper)``.
+    """
+    if loss_or_grads is None and params is None:
+        extra = {} if (average == 1 and weight is None) else {"average": average, "weight": weight}
+        return partial(rule, **hyper, **extra)
+    if loss_or_grads is None or params is None:
+        missing = "loss_or_grads" if loss_or_grads is None else "params"
+        raise ValueError(
+            f"{rule.__name__}() got no {missing}: pass both loss_or_grads and params, "
+            "or neither to get a partial of the rule with these hyperparameters"
+        )
+    every = check_every(average)
+    if every > 1:
+        from .averaged import with_accumulated_gradients
+
+        return with_accumulated_gradients(
+            loss_or_grads, params, every, rule, weight=weight, **hyper
+        )
+    if weight is not None:
+        raise ValueError(
+            f"{rule.__name__}(): weight only applies with average > 1 "
+            "(it weights each call's gradient in the accumulated mean)"
+        )
+    params = check_params(params)
+    grads = get_or_compute_grads(loss_or_grads, params)
+    return core(grads, params, **hyper)
+
+
+def _require(value, name, rule):
+    if value is None:
+        raise TypeError(f"{rule}() missing required argument: '{name}'")
+    return value
+
+
+def _timestep_dtype(params):
+    """dtype of a rule's step counter: float32 for float16/32 models, else float64."""
+    if not params:
+        return "float64"
+    return np.result_type(*[accumulator_dtype(p.type.dtype) for p in params]).name
+
+
+def _cast(x, dtype):
+    return x if x.type.dtype == dtype else pt.cast(x, dtype)
+
+
+# --------------------------------------------------------------------------- sgd
+
+
+def _sgd(grads, params, learning_rate):
+    _require(learning_rate, "learning_rate", "sgd")
+    updates = OrderedDict()
+    for param, grad in zip(params, grads):
+        lr = hyperparameter(learning_rate, "learning_rate", param.type.dtype, low=0)
+        updates[param] = param - lr * grad
+    return updates
+
+
+def sgd(loss_or_grads=None, params=None, learning_rate=None, *, average=1, weight=None):
+    """Stochastic Gradient Descent (SGD) updates.
+
+    * ``param := param - learning_rate * gradient``
+
+    Parameters
+    ----------
+    loss_or_grads : symbolic expression or list of expressions
+        A scalar loss expression, or a list of gradient expressions.
+    params : list of shared variables
+        The variables to generate update expressions for.
+    learning_rate : float or symbolic scalar
+        The learning rate controlling the size of update steps (required).
+    average : int
+        Accumulate the mean gradient of this many calls and step on every
+        `average`-th call only (default 1: step every call).
+    weight : symbolic scalar, optional
+        With ``average > 1``: this call's weight in the mean (for example the
+        batch size), so that batches of different sizes average exactly.
+
+    Returns
+    -------
+    OrderedDict
+        A dictionary mapping each parameter to its update expression.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor
+    >>> w = pytensor.shared(np.array([1.0, 2.0]), name="w")
+    >>> step = pytensor.function([], [], updates=sgd((w ** 2).sum(), [w], 0.25))
+    >>> _ = step()
+    >>> w.get_value()
+    array([0.5, 1. ])
+    """
+    return _build(sgd, _sgd, loss_or_grads, params, average, weight,
+                  dict(learning_rate=learning_rate))
+
+
+# ---------------------------------------------------------------------- momentum
+
+
+def _updated(updates, params, rule):
+    updates = OrderedDict(updates)
+    params = list(updates.keys()) if params is None else check_params(params)
+    for i, param in enumerate(params):
+        if param not in updates:
+            raise ValueError(
+                f"{rule}(): params[{i}] ({param_label(param, i)}) has no entry in updates"
+            )
+    return updates, params
+
+
+def apply_momentum(updates, params=None, momentum=0.9):
+    """Return a modified update dictionary including momentum.
+
+    Generates update expressions of the form:
+
+    * ``velocity := momentum * velocity + updates[param] - param``
+    * ``param := param + velocity``
+
+    Parameters
+    ----------
+    updates : OrderedDict
+        A dictionary mapping parameters to update expressions.
+    params : iterable of shared variables, optional
+        The variables to apply momentum to. If omitted, all keys of `updates`.
+    momentum : float or symbolic scalar
+        The amount of momentum to apply. Higher momentum results in smoothing
+        over more update steps. Default 0.9.
+
+    Returns
+    -------
+    OrderedDict
+        A copy of `updates` with momentum updates for all `params`.
+
+    Notes
+    -----
+    Higher momentum also results in larger update steps. To counter that, you
+    can optionally scale your learning rate by ``1 - momentum``.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor
+    >>> w = pytensor.shared(np.array([1.0]), name="w")
+    >>> upd = apply_momentum(sgd((w ** 2).sum(), [w], 0.1), momentum=0.5)
+    >>> [v.name for v in upd]
+    ['w', 'w.momentum_velocity']
+    """
+    updates, params = _updated(updates, params, "apply_momentum")
+    for i, param in enumerate(params):
+        mom = hyperparameter(momentum, "momentum", param.type.dtype, low=0, high=1)
+        velocity = state_like(param, "momentum_velocity", i)
+        x = mom * velocity + updates[param]
+        updates[velocity] = x - param
+        updates[param] = x
+    return updates
+
+
+def momentum(loss_or_grads=None, params=None, learning_rate=None, momentum=0.9, *,
+             average=1, weight=None):
+    """Stochastic Gradient Descent (SGD) updates with momentum.
+
+    * ``velocity := momentum * velocity - learning_rate * gradient``
+    * ``param := param + velocity``
+
+    Parameters
+    ----------
+    loss_or_grads : symbolic expression or list of expressions
+        A scalar loss expression, or a list of gradient expressions.
+    params : list of shared variables
+        The variables to generate update expressions for.
+    learning_rate : float or symbolic scalar
+        The learning rate controlling the size of update steps (required).
+    momentum : float or symbolic scalar
+        The amount of momentum to apply. Higher momentum results in smoothing
+        over more update steps. Default 0.9.
+    average : int
+        Accumulate the mean gradient of this many calls and step on every
+        `average`-th call only (default 1). ``momentum(loss, params, lr,
+        momentum=0.999, average=5)`` is the seed discussion's call.
+    weight : symbolic scalar, optional
+        With ``average > 1``: this call's weight in the mean.
+
+    Returns
+    -------
+    OrderedDict
+        A dictionary mapping each parameter and its velocity to its update.
+
+    See Also
+    --------
+    apply_momentum : Generic function applying momentum to updates.
+    nesterov_momentum : Nesterov's variant of SGD with momentum.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor
+    >>> w = pytensor.shared(np.array([1.0]), name="w")
+    >>> f = pytensor.function([], [], updates=momentum((w ** 2).sum(), [w], 0.1, 0.5))
+    >>> _ = f(); _ = f()
+    >>> w.get_value()  # 1 - 0.2 = 0.8, then 0.8 + 0.5 * (-0.2) - 0.16 = 0.54
+    array([0.54])
+    """
+    return _build(_momentum_public, _momentum, loss_or_grads, params, average, weight,
+                  dict(learning_rate=learning_rate, momentum=momentum))
+
+
+def _momentum(grads, params, learning_rate, momentum):
+    _require(learning_rate, "learning_rate", "momentum")
+    return apply_momentum(_sgd(grads, params, learning_rate), params, momentum)
+
+
+_momentum_public = momentum
+
+
+def apply_nesterov_momentum(updates, params=None, momentum=0.9):
+    """Return a modified update dictionary including Nesterov momentum.
+
+    Generates update expressions of the form:
+
+    * ``velocity := momentum * velocity + updates[param] - param``
+    * ``param := param + momentum * velocity + updates[param] - param``
+
+    Parameters
+    ----------
+    updates : OrderedDict
+        A dictionary mapping parameters to update expressions.
+    params : iterable of shared variables, optional
+        The variables to apply momentum to. If omitted, all keys of `updates`.
+    momentum : float or symbolic scalar
+        The amount of momentum to apply. Default 0.9.
+
+    Returns
+    -------
+    OrderedDict
+        A copy of `updates` with Nesterov momentum for all `params`.
+
+    Notes
+    -----
+    As in Lasagne, this uses the formulation of Bengio et al. [1]_ in which
+    the parameter holds the "look-ahead" value, so the gradient is always
+    taken at the current parameter.
+
+    References
+    ----------
+    .. [1] Bengio, Y., Boulanger-Lewandowski, N. & Pascanu, R. (2013):
+       Advances in optimizing recurrent networks. ICASSP 2013, 8624-8628.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor
+    >>> w = pytensor.shared(np.array([1.0]), name="w")
+    >>> upd = apply_nesterov_momentum(sgd((w ** 2).sum(), [w], 0.1), momentum=0.5)
+    >>> [v.name for v in upd]
+    ['w', 'w.momentum_velocity']
+    """
+    updates, params = _updated(updates, params, "apply_nesterov_momentum")
+    for i, param in enumerate(params):
+        mom = hyperparameter(momentum, "momentum", param.type.dtype, low=0, high=1)
+        velocity = state_like(param, "momentum_velocity", i)
+        x = mom * velocity + updates[param] - param
+        updates[velocity] = x
+        updates[param] = mom * x + updates[param]
+    return updates
+
+
+def nesterov_momentum(loss_or_grads=None, params=None, learning_rate=None, momentum=0.9, *,
+                      average=1, weight=None):
+    """Stochastic Gradient Descent (SGD) updates with Nesterov momentum.
+
+    * ``velocity := momentum * velocity - learning_rate * gradient``
+    * ``param := param + momentum * velocity - learning_rate * gradient``
+
+    Parameters
+    ----------
+    loss_or_grads : symbolic expression or list of expressions
+        A scalar loss expression, or a list of gradient expressions.
+    params : list of shared variables
+        The variables to generate update expressions for.
+    learning_rate : float or symbolic scalar
+        The learning rate controlling the size of update steps (required).
+    momentum : float or symbolic scalar
+        The amount of momentum to apply. Default 0.9.
+    average : int
+        Accumulate the mean gradient of this many calls and step on every
+        `average`-th call only (default 1).
+    weight : symbolic scalar, optional
+        With ``average > 1``: this call's weight in the mean.
+
+    Returns
+    -------
+    OrderedDict
+        A dictionary mapping each parameter and its velocity to its update.
+
+    Notes
+    -----
+    See :func:`apply_nesterov_momentum` for the formulation.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor
+    >>> w = pytensor.shared(np.array([1.0]), name="w")
+    >>> f = pytensor.function([], [], updates=nesterov_momentum((w ** 2).sum(), [w], 0.1, 0.5))
+    >>> _ = f()
+    >>> w.get_value()  # 1 + 0.5 * (-0.2) - 0.2
+    array([0.7])
+    """
+    return _build(_nesterov_public, _nesterov, loss_or_grads, params, average, weight,
+                  dict(learning_rate=learning_rate, momentum=momentum))
+
+
+def _nesterov(grads, params, learning_rate, momentum):
+    _require(learning_rate, "learning_rate", "nesterov_momentum")
+    return apply_nesterov_momentum(_sgd(grads, params, learning_rate), params, momentum)
+
+
+_nesterov_public = nesterov_momentum
+
+
+# ------------------------------------------------------------ adaptive rates
+
+
+def _adagrad(grads, params, learning_rate, epsilon):
+    updates = OrderedDict()
+    for i, (param, grad) in enumerate(zip(params, grads)):
+        dtype = param.type.dtype
+        lr = hyperparameter(learning_rate, "learning_rate", dtype, low=0)
+        eps = hyperparameter(epsilon, "epsilon", dtype, low=0)
+        accu = state_like(param, "adagrad_accu", i)
+        accu_new = accu + grad ** 2
+        updates[accu] = accu_new
+        updates[param] = param - (lr * grad / pt.sqrt(accu_new + eps))
+    return updates
+
+
+def adagrad(loss_or_grads=None, params=None, learning_rate=1.0, epsilon=1e-6, *,
+            average=1, weight=None):
+    """Adagrad updates.
+
+    Scale learning rates by dividing with the square root of accumulated
+    squared gradients. See [1]_ for further description.
+
+    * ``accu := accu + gradient ** 2``
+    * ``param := param - learning_rate * gradient / sqrt(accu + epsilon)``
+
+    Parameters
+    ----------
+    loss_or_grads : symbolic expression or list of expressions
+        A scalar loss expression, or a list of gradient expressions.
+    params : list of shared variables
+        The variables to generate update expressions for.
+    learning_rate : float or symbolic scalar
+        The learning rate controlling the size of update steps. Default 1.0,
+        Lasagne's; Adagrad's effective step shrinks by itself.
+    epsilon : float or symbolic scalar
+        Small value added for numerical stability (inside the square root, as
+        in Lasagne). Default 1e-6.
+    average : int
+        Accumulate the mean gradient of this many calls and step on every
+        `average`-th call only (default 1).
+    weight : symbolic scalar, optional
+        With ``average > 1``: this call's weight in the mean.
+
+    Returns
+    -------
+    OrderedDict
+        A dictionary mapping each parameter and its accumulator to its update.
+
+    Notes
+    -----
+    Using step size eta Adagrad calculates the learning rate for feature i at
+    time step t as ``eta / sqrt(sum_{t'<=t} g_{t',i} ** 2 + epsilon)``, so the
+    learning rate is monotonically decreasing.
+
+    References
+    ----------
+    .. [1] Duchi, J., Hazan, E. & Singer, Y. (2011): Adaptive subgradient
+       methods for online learning and stochastic optimization. JMLR 12,
+       2121-2159.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor
+    >>> w = pytensor.shared(np.array([1.0]), name="w")
+    >>> f = pytensor.function([], [], updates=adagrad((w ** 2).sum(), [w], 0.1, epsilon=0.0))
+    >>> _ = f()
+    >>> w.get_value()  # 1 - 0.1 * 2 / sqrt(4)
+    array([0.9])
+    """
+    return _build(adagrad, _adagrad, loss_or_grads, params, average, weight,
+                  dict(learning_rate=learning_rate, epsilon=epsilon))
+
+
+def _rmsprop(grads, params, learning_rate, rho, epsilon):
+    updates = OrderedDict()
+    for i, (param, grad) in enumerate(zip(params, grads)):
+        dtype = param.type.dtype
+        lr = hyperparameter(learning_rate, "learning_rate", dtype, low=0)
+        r = hyperparameter(rho, "rho", dtype, low=0, high=1)
+        eps = hyperparameter(epsilon, "epsilon", dtype, low=0)
+        accu = state_like(param, "rmsprop_accu", i)
+        accu_new = r * accu + (1 - r) * grad ** 2
+        updates[accu] = accu_new
+        updates[param] = param - (lr * grad / pt.sqrt(accu_new + eps))
+    return updates
+
+
+def rmsprop(loss_or_grads=None, params=None, learning_rate=1.0, rho=0.9, epsilon=1e-6, *,
+            average=1, weight=None):
+    """RMSProp updates.
+
+    Scale learning rates by dividing with the moving average of the root mean
+    squared (RMS) gradients. See [1]_ for further description.
+
+    * ``accu := rho * accu + (1 - rho) * gradient ** 2``
+    * ``param := param - learning_rate * gradient / sqrt(accu + epsilon)``
+
+    Parameters
+    ----------
+    loss_or_grads : symbolic expression or list of expressions
+        A scalar loss expression, or a list of gradient expressions.
+    params : list of shared variables
+        The variables to generate update expressions for.
+    learning_rate : float or symbolic scalar
+        The learning rate controlling the size of update steps. Default 1.0
+        (Lasagne's).
+    rho : float or symbolic scalar
+        Gradient moving average decay factor, in [0, 1]. Default 0.9.
+    epsilon : float or symbolic scalar
+        Small value added for numerical stability, inside the square root.
+        Default 1e-6.
+    average : int
+        Accumulate the mean gradient of this many calls and step on every
+        `average`-th call only (default 1).
+    weight : symbolic scalar, optional
+        With ``average > 1``: this call's weight in the mean.
+
+    Returns
+    -------
+    OrderedDict
+        A dictionary mapping each parameter and its accumulator to its update.
+
+    Notes
+    -----
+    `rho` should be between 0 and 1. A value of `rho` close to 1 will decay
+    the moving average slowly and a value close to 0 will decay the moving
+    average fast.
+
+    References
+    ----------
+    .. [1] Tieleman, T. & Hinton, G. (2012): Neural Networks for Machine
+       Learning, Lecture 6.5 - rmsprop. Coursera.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor
+    >>> w = pytensor.shared(np.array([1.0]), name="w")
+    >>> f = pytensor.function([], [], updates=rmsprop((w ** 2).sum(), [w], 0.1, 0.75, 0.0))
+    >>> _ = f()
+    >>> w.get_value()  # 1 - 0.1 * 2 / sqrt(0.25 * 4)
+    array([0.8])
+    """
+    return _build(rmsprop, _rmsprop, loss_or_grads, params, average, weight,
+                  dict(learning_rate=learning_rate, rho=rho, epsilon=epsilon))
+
+
+def _adadelta(grads, params, learning_rate, rho, epsilon):
+    updates = OrderedDict()
+    for i, (param, grad) in enumerate(zip(params, grads)):
+        dtype = param.type.dtype
+        lr = hyperparameter(learning_rate, "learning_rate", dtype, low=0)
+        r = hyperparameter(rho, "rho", dtype, low=0, high=1)
+        eps = hyperparameter(epsilon, "epsilon", dtype, low=0)
+        accu = state_like(param, "adadelta_accu", i)
+        delta_accu = state_like(param, "adadelta_delta_accu", i)
+        accu_new = r * accu + (1 - r) * grad ** 2
+        updates[accu] = accu_new
+        update = grad * pt.sqrt(delta_accu + eps) / pt.sqrt(accu_new + eps)
+        updates[param] = param - lr * update
+        updates[delta_accu] = r * delta_accu + (1 - r) * update ** 2
+    return updates
+
+
+def adadelta(loss_or_grads=None, params=None, learning_rate=1.0, rho=0.95, epsilon=1e-6, *,
+             average=1, weight=None):
+    """Adadelta updates.
+
+    Scale learning rates by the ratio of accumulated gradients to accumulated
+    updates, see [1]_ and Notes for further description.
+
+    * ``accu := rho * accu + (1 - rho) * gradient ** 2``
+    * ``update = gradient * sqrt(delta_accu + epsilon) / sqrt(accu + epsilon)``
+    * ``param := param - learning_rate * update``
+    * ``delta_accu := rho * delta_accu + (1 - rho) * update ** 2``
+
+    Parameters
+    ----------
+    loss_or_grads : symbolic expression or list of expressions
+        A scalar loss expression, or a list of gradient expressions.
+    params : list of shared variables
+        The variables to generate update expressions for.
+    learning_rate : float or symbolic scalar
+        The learning rate controlling the size of update steps. Default 1.0,
+        as in the paper: Adadelta sets its own step size.
+    rho : float or symbolic scalar
+        Squared gradient moving average decay factor, in [0, 1]. Default 0.95.
+    epsilon : float or symbolic scalar
+        Small value added for numerical stability. Default 1e-6.
+    average : int
+        Accumulate the mean gradient of this many calls and step on every
+        `average`-th call only (default 1).
+    weight : symbolic scalar, optional
+        With ``average > 1``: this call's weight in the mean.
+
+    Returns
+    -------
+    OrderedDict
+        A dictionary mapping each parameter and its two accumulators to their
+        updates.
+
+    Notes
+    -----
+    rho should be between 0 and 1. A value of rho close to 1 will decay the
+    moving average slowly and a value close to 0 will decay the moving
+    average fast. rho = 0.95 and epsilon = 1e-6 are suggested in the paper
+    and reported to work for multiple datasets (MNIST, speech). In the paper,
+    no learning rate is considered (so learning_rate=1.0).
+
+    References
+    ----------
+    .. [1] Zeiler, M. D. (2012): ADADELTA: An Adaptive Learning Rate Method.
+       arXiv:1212.5701.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor
+    >>> w = pytensor.shared(np.array([1.0]), name="w")
+    >>> upd = adadelta((w ** 2).sum(), [w])
+    >>> [v.name for v in upd]
+    ['w.adadelta_accu', 'w', 'w.adadelta_delta_accu']
+    """
+    return _build(adadelta, _adadelta, loss_or_grads, params, average, weight,
+                  dict(learning_rate=learning_rate, rho=rho, epsilon=epsilon))
+
+
+# ------------------------------------------------------------ adam family
+
+
+def _adam_family(grads, params, learning_rate, beta1, beta2, epsilon, kind):
+    """Adam, Adamax and AMSGrad share a timestep and the first moment."""
+    t_dtype = _timestep_dtype(params)
+    t_prev = scalar_state(f"{kind}.t", t_dtype)
+    one = pt.constant(np.asarray(1, dtype=t_dtype))
+    t = t_prev + one
+    lr_t = hyperparameter(learning_rate, "learning_rate", t_dtype, low=0)
+    b1_t = hyperparameter(beta1, "beta1", t_dtype, low=0, high=1, high_open=True)
+    b2_t = hyperparameter(beta2, "beta2", t_dtype, low=0, high=1)
+    if kind == "adamax":
+        a_t = lr_t / (one - b1_t ** t)
+    else:
+        a_t = lr_t * pt.sqrt(one - b2_t ** t) / (one - b1_t ** t)
+
+    updates = OrderedDict()
+    for i, (param, g_t) in enumerate(zip(params, grads)):
+        dtype = param.type.dtype
+        b1 = hyperparameter(beta1, "beta1", dtype)
+        b2 = hyperparameter(beta2, "beta2", dtype)
+        eps = hyperparameter(epsilon, "epsilon", dtype, low=0)
+        a = _cast(a_t, dtype)
+        m_prev = state_like(param, f"{kind}_m", i)
+        m_t = b1 * m_prev + (1 - b1) * g_t
+        updates[m_prev] = m_t
+        if kind == "adamax":
+            u_prev = state_like(param, "adamax_u", i)
+            u_t = pt.maximum(b2 * u_prev, abs(g_t))
+            updates[u_prev] = u_t
+            step = a * m_t / (u_t + eps)
+        else:
+            v_prev = state_like(param, f"{kind}_v", i)
+            v_t = b2 * v_prev + (1 - b2) * g_t ** 2
+            updates[v_prev] = v_t
+            if kind == "amsgrad":
+                v_hat_prev = state_like(param, "amsgrad_vhat", i)
+                v_t = pt.maximum(v_hat_prev, v_t)
+                updates[v_hat_prev] = v_t
+            step = a * m_t / (pt.sqrt(v_t) + eps)
+        updates[param] = param - step
+    updates[t_prev] = t
+    return updates
+
+
+def _adam(grads, params, learning_rate, beta1, beta2, epsilon):
+    return _adam_family(grads, params, learning_rate, beta1, beta2, epsilon, "adam")
+
+
+def _adamax(grads, params, learning_rate, beta1, beta2, epsilon):
+    return _adam_family(grads, params, learning_rate, beta1, beta2, epsilon, "adamax")
+
+
+def _amsgrad(grads, params, learning_rate, beta1, beta2, epsilon):
+    return _adam_family(grads, params, learning_rate, beta1, beta2, epsilon, "amsgrad")
+
+
+def adam(loss_or_grads=None, params=None, learning_rate=0.001, beta1=0.9, beta2=0.999,
+         epsilon=1e-8, *, average=1, weight=None):
+    """Adam updates.
+
+    Adam updates implemented as in [1]_:
+
+    * ``t := t + 1``
+    * ``a_t = learning_rate * sqrt(1 - beta2 ** t) / (1 - beta1 ** t)``
+    * ``m := beta1 * m + (1 - beta1) * gradient``
+    * ``v := beta2 * v + (1 - beta2) * gradient ** 2``
+    * ``param := param - a_t * m / (sqrt(v) + epsilon)``
+
+    Parameters
+    ----------
+    loss_or_grads : symbolic expression or list of expressions
+        A scalar loss expression, or a list of gradient expressions.
+    params : list of shared variables
+        The variables to generate update expressions for.
+    learning_rate : float or symbolic scalar
+        Learning rate. Default 0.001, the paper's.
+    beta1 : float or symbolic scalar
+        Exponential decay rate for the first moment estimates, in [0, 1).
+        Default 0.9.
+    beta2 : float or symbolic scalar
+        Exponential decay rate for the second moment estimates, in [0, 1].
+        Default 0.999.
+    epsilon : float or symbolic scalar
+        Constant for numerical stability, added outside the square root (as
+        in the paper's section 2 and Lasagne). Default 1e-8.
+    average : int
+        Accumulate the mean gradient of this many calls and step on every
+        `average`-th call only (default 1); the timestep then counts steps.
+    weight : symbolic scalar, optional
+        With ``average > 1``: this call's weight in the mean.
+
+    Returns
+    -------
+    OrderedDict
+        A dictionary mapping each parameter and its moments to their updates;
+        the shared timestep ``adam.t`` comes last.
+
+    Notes
+    -----
+    The paper [1]_ includes an additional hyperparameter lambda. This is only
+    needed to prove convergence of the algorithm and has no practical use
+    (personal communication with the authors), it is therefore omitted here.
+    The bias correction is folded into the step size ``a_t`` (the paper's
+    efficient form), which is why epsilon acts on the uncorrected ``sqrt(v)``.
+
+    References
+    ----------
+    .. [1] Kingma, D. P. & Ba, J. L. (2015): Adam: A Method for Stochastic
+       Optimization. ICLR 2015. arXiv:1412.6980.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor
+    >>> w = pytensor.shared(np.array([1.0, -1.0]), name="w")
+    >>> f = pytensor.function([], [], updates=adam((w ** 2).sum(), [w], 0.1))
+    >>> _ = f()
+    >>> w.get_value().round(6)  # the first step has size learning_rate
+    array([ 0.9, -0.9])
+    """
+    return _build(adam, _adam, loss_or_grads, params, average, weight,
+                  dict(learning_rate=learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon))
+
+
+def adamax(loss_or_grads=None, params=None, learning_rate=0.002, beta1=0.9, beta2=0.999,
+           epsilon=1e-8, *, average=1, weight=None):
+    """Adamax updates.
+
+    Adamax updates implemented as in [1]_. This is a variant of the Adam
+    algorithm based on the infinity norm.
+
+    * ``t := t + 1``
+    * ``a_t = learning_rate / (1 - beta1 ** t)``
+    * ``m := beta1 * m + (1 - beta1) * gradient``
+    * ``u := max(beta2 * u, abs(gradient))``
+    * ``param := param - a_t * m / (u + epsilon)``
+
+    Parameters
+    ----------
+    loss_or_grads : symbolic expression or list of expressions
+        A scalar loss expression, or a list of gradient expressions.
+    params : list of shared variables
+        The variables to generate update expressions for.
+    learning_rate : float or symbolic scalar
+        Learning rate. Default 0.002, the paper's.
+    beta1 : float or symbolic scalar
+        Exponential decay rate for the first moment estimates, in [0, 1).
+        Default 0.9.
+    beta2 : float or symbolic scalar
+        Exponential decay rate for the weighted infinity norm estimates, in
+        [0, 1]. Default 0.999.
+    epsilon : float or symbolic scalar
+        Constant for numerical stability. Default 1e-8.
+    average : int
+        Accumulate the mean gradient of this many calls and step on every
+        `average`-th call only (default 1). ``adamax(loss, params,
+        average=5)`` is the seed discussion's call.
+    weight : symbolic scalar, optional
+        With ``average > 1``: this call's weight in the mean.
+
+    Returns
+    -------
+    OrderedDict
+        A dictionary mapping each parameter and its moments to their updates;
+        the shared timestep ``adamax.t`` comes last.
+
+    References
+    ----------
+    .. [1] Kingma, D. P. & Ba, J. L. (2015): Adam: A Method for Stochastic
+       Optimization. ICLR 2015. arXiv:1412.6980.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor
+    >>> w = pytensor.shared(np.array([1.0, -1.0]), name="w")
+    >>> f = pytensor.function([], [], updates=adamax((w ** 2).sum(), [w], 0.1))
+    >>> _ = f()
+    >>> w.get_value().round(6)
+    array([ 0.9, -0.9])
+    """
+    return _build(adamax, _adamax, loss_or_grads, params, average, weight,
+                  dict(learning_rate=learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon))
+
+
+def amsgrad(loss_or_grads=None, params=None, learning_rate=0.001, beta1=0.9, beta2=0.999,
+            epsilon=1e-8, *, average=1, weight=None):
+    """AMSGrad updates.
+
+    AMSGrad updates implemented as in [1]_: Adam with the maximum of all
+    second moment estimates so far in the denominator.
+
+    * ``t := t + 1``
+    * ``a_t = learning_rate * sqrt(1 - beta2 ** t) / (1 - beta1 ** t)``
+    * ``m := beta1 * m + (1 - beta1) * gradient``
+    * ``v := beta2 * v + (1 - beta2) * gradient ** 2``
+    * ``v_hat := max(v_hat, v)``
+    * ``param := param - a_t * m / (sqrt(v_hat) + epsilon)``
+
+    Parameters
+    ----------
+    loss_or_grads : symbolic expression or list of expressions
+        A scalar loss expression, or a list of gradient expressions.
+    params : list of shared variables
+        The variables to generate update expressions for.
+    learning_rate : float or symbolic scalar
+        Learning rate. Default 0.001.
+    beta1 : float or symbolic scalar
+        Exponential decay rate for the first moment estimates, in [0, 1).
+        Default 0.9.
+    beta2 : float or symbolic scalar
+        Exponential decay rate for the second moment estimates, in [0, 1].
+        Default 0.999.
+    epsilon : float or symbolic scalar
+        Constant for numerical stability. Default 1e-8.
+    average : int
+        Accumulate the mean gradient of this many calls and step on every
+        `average`-th call only (default 1).
+    weight : symbolic scalar, optional
+        With ``average > 1``: this call's weight in the mean.
+
+    Returns
+    -------
+    OrderedDict
+        A dictionary mapping each parameter and its moments to their updates;
+        the shared timestep ``amsgrad.t`` comes last.
+
+    References
+    ----------
+    .. [1] Reddi, S. J., Kale, S. & Kumar, S. (2018): On the Convergence of
+       Adam and Beyond. ICLR 2018.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor
+    >>> w = pytensor.shared(np.array([1.0]), name="w")
+    >>> upd = amsgrad((w ** 2).sum(), [w])
+    >>> [v.name for v in upd]
+    ['w.amsgrad_m', 'w.amsgrad_v', 'w.amsgrad_vhat', 'w', 'amsgrad.t']
+    """
+    return _build(amsgrad, _amsgrad, loss_or_grads, params, average, weight,
+                  dict(learning_rate=learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon))

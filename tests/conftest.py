@@ -1,0 +1,32 @@
+"""Shared, generic fixtures for the lasagne_accum test suite."""
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture
+def rng():
+    """A freshly seeded numpy Generator, so every test sees the same data."""
+    return np.random.default_rng(20240611)
+
+
+@pytest.fixture
+def assert_close():
+    """Compare arrays with a dtype-appropriate tolerance.
+
+    float64 results must match to ~1e-12 relative; float32 ones to ~1e-5.
+    ``what`` names the compared quantity in the failure message.
+    """
+
+    def check(actual, expected, dtype, what=""):
+        actual = np.asarray(actual)
+        expected = np.asarray(expected, dtype=np.float64)
+        if np.dtype(dtype) == np.float64:
+            rtol, atol = 1e-12, 1e-14
+        else:
+            rtol, atol = 1e-5, 1e-6
+        np.testing.assert_allclose(
+            actual.astype(np.float64), expected, rtol=rtol, atol=atol, err_msg=what
+        )
+
+    return check
