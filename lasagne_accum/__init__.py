@@ -12,9 +12,11 @@ __version__ = "0.1.0"
 
 from . import updates
 from .accumulate import Accumulation, accumulate_gradients, reset
-from .averaged import with_accumulated_gradients
+from .averaged import SteppingUpdates, with_accumulated_gradients
+from .averaging import ExponentialMovingAverage, ModelAverage
 from .constraints import norm_constraint, total_norm_constraint
 from .grads import get_or_compute_grads
+from .state import collect_state, load_state, save_state
 from .training import AccumulationTrainer, compile_accumulation, run_epoch
 from .updates import (
     adadelta,
@@ -51,7 +53,13 @@ __all__ = [
     "reset",
     "Accumulation",
     "with_accumulated_gradients",
+    "SteppingUpdates",
+    "ModelAverage",
+    "ExponentialMovingAverage",
     "compile_accumulation",
     "AccumulationTrainer",
     "run_epoch",
+    "save_state",
+    "load_state",
+    "collect_state",
 ]

@@ -35,7 +35,25 @@ from .grads import (
     state_like,
 )
 
-__all__ = ["with_accumulated_gradients"]
+__all__ = ["with_accumulated_gradients", "SteppingUpdates"]
+
+
+class SteppingUpdates(OrderedDict):
+    """A single-function update dictionary that also tells when it steps.
+
+    Attributes
+    ----------
+    is_step : symbolic boolean scalar
+        True on the calls that take an optimizer step (every `every`-th).
+        :class:`lasagne_accum.ModelAverage` uses it to average only steps.
+    count : shared int64 scalar
+        Calls accumulated in the current window before this call.
+    every : int
+    """
+
+    is_step = None
+    count = None
+    every = 1
 
 
 def _check_every(every):
@@ -83,8 +101,10 @@ def with_accumulated_gradients(loss_or_grads, params, every, update_rule, *, wei
 
     Returns
     -------
-    OrderedDict
-        One dictionary for one function called once per mini-batch.
+    SteppingUpdates
+        One dictionary (an OrderedDict) for one function called once per
+        mini-batch; its ``.is_step`` is the symbolic condition of the stepping
+        calls.
 
     Raises
     ------
@@ -132,7 +152,8 @@ def with_accumulated_gradients(loss_or_grads, params, every, update_rule, *, wei
     c_new = count + 1
     is_step = pt.eq(c_new, every)
 
-    updates = OrderedDict()
+    updates = SteppingUpdates()
+    updates.is_step, updates.count, updates.every = is_step, count, every
     mean_grads = []
     if weight is None:
         denom = pt.cast(c_new, total_dtype)
@@ -159,7 +180,10 @@ def with_accumulated_gradients(loss_or_grads, params, every, update_rule, *, wei
         for nv, v in zip(new_values, variables)
     ]
     if lazy:
-        chosen = ifelse(is_step, new_values, list(variables))
+        # IfElse hands its first branch through as a view and copies the
+        # second: the unchanged values go first, so a non-stepping call
+        # copies nothing, and the rule's graph runs on stepping calls only.
+        chosen = ifelse(pt.neq(c_new, every), list(variables), new_values)
         if not isinstance(chosen, (list, tuple)):
             chosen = [chosen]
     else:

@@ -65,10 +65,14 @@ class AccumulationTrainer:
         Batches per optimizer step.
     steps : int
         Optimizer steps taken through :meth:`step` and :meth:`flush`.
+    apply_updates : OrderedDict
+        The apply function's update dictionary (rule state included), for
+        :func:`lasagne_accum.save_state`.
     """
 
-    def __init__(self, accumulate_fn, apply_fn, accumulation, every):
+    def __init__(self, accumulate_fn, apply_fn, accumulation, every, apply_updates=None):
         self.accumulate_fn = accumulate_fn
+        self.apply_updates = apply_updates if apply_updates is not None else {}
         self.apply_fn = apply_fn
         self.accumulation = accumulation
         self.every = every
@@ -201,7 +205,7 @@ def compile_accumulation(inputs, loss, params, update_rule, rule_kwargs=None, ev
         mode=mode or default_acc,
     )
     apply_fn = pytensor.function([], [], updates=apply, mode=apply_mode or default_apply)
-    return AccumulationTrainer(accumulate_fn, apply_fn, acc, every)
+    return AccumulationTrainer(accumulate_fn, apply_fn, acc, every, apply_updates=apply)
 
 
 class _Progress:
