@@ -42,6 +42,11 @@ C and Numba code, roughly 2 more minutes, cached afterwards)::
     python benchmarks/backends.py            # full run
     python benchmarks/backends.py --quick    # smoke test, < 1 minute
     python benchmarks/backends.py --graphs   # also dprint the compiled graphs
+    python benchmarks/backends.py --threads 1   # pin BLAS/OpenMP/torch threads
+
+Multi-threaded BLAS is very sensitive to other load on a small machine (a
+preempted BLAS thread stalls the whole GEMM): check the printed load average,
+and compare the median table with the best-round lines.
 """
 
 from __future__ import annotations
@@ -269,6 +274,7 @@ def worker_torch(name, args):
     import torch
 
     threads = openblas_threads()
+    # match PyTensor's (system) OpenBLAS thread count
     n_threads = threads.get("system_openblas") or os.cpu_count()
     torch.set_num_threads(n_threads)
     meta = {
@@ -343,6 +349,9 @@ def have_torch():
 
 def start_worker(name, args):
     env = dict(os.environ)
+    if args.threads:
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+            env[var] = str(args.threads)
     flags = CONFIGS[name]["flags"]
     if flags:
         old = env.get("PYTENSOR_FLAGS", "")
@@ -371,7 +380,13 @@ def parent_main(args):
     t_setup = time.perf_counter() - t_start
 
     samples = {n: {} for n in names}
+    t_loop, rounds_done = time.perf_counter(), 0
     for r in range(args.rounds):
+        if r >= 2 and time.perf_counter() - t_loop > args.max_seconds:
+            print(f"time budget --max-seconds {args.max_seconds:.0f} s reached after {r} "
+                  "rounds (machine loaded?)")
+            break
+        rounds_done += 1
         order = names[r % len(names):] + names[: r % len(names)]
         for n in order:
             procs[n].stdin.write("run\n")
@@ -413,7 +428,7 @@ def parent_main(args):
             print(f"  {'':9s} NOTE: no C BLAS, but not BLAS-free: Dot22 runs numpy.dot in "
                   "Python and Gemm's C code calls PyArray_MatrixProduct2, both using "
                   "NumPy's bundled OpenBLAS")
-    print(f"rounds {args.rounds} x {args.calls} calls (warm-up {args.warmup}); "
+    print(f"rounds {rounds_done} x {args.calls} calls (warm-up {args.warmup}); "
           f"ms/call = median over rounds of per-round median")
     print()
 
@@ -462,12 +477,18 @@ def main():
     ap.add_argument("--calls", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--graphs", action="store_true", help="dprint compiled graphs to stderr")
+    ap.add_argument("--max-seconds", type=float, default=None,
+                    help="stop starting new rounds (after 2) once the timed phase took this long")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="set OPENBLAS_NUM_THREADS/OMP_NUM_THREADS (and torch) in workers;"
+                    " default: leave the libraries' defaults")
     ap.add_argument("--verbose", action="store_true", help="show workers' stderr")
     ap.add_argument("--worker", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
     args = ap.parse_args()
     q = args.quick
     args.rounds = args.rounds or (2 if q else 7)
     args.calls = args.calls or (30 if q else 200)
+    args.max_seconds = args.max_seconds or (30 if q else 200)
     args.warmup = args.warmup if args.warmup is not None else (3 if q else 10)
     if args.worker:
         worker_main(args)

@@ -1,0 +1,99 @@
+#!/usr/bin/env python
+"""Single-function accumulation (``average=N``) against the two-function form.
+
+For each installed backend, on the 784-512-10 MLP (batch 64, Adam, N=4):
+
+* ``acc``: the two-function form's accumulate step, ``apply``: its apply step;
+* ``non-step``: a call of the single function that does not step (calls 1..N-1
+  of a window), ``step``: the N-th call;
+* ratios ``non-step / acc`` and ``step / (acc + apply)`` (targets: <= 1.05).
+
+Two graph choices are compared: ``lazy`` (the rule behind a lazy ``ifelse``,
+the default) and ``switch`` (the rule computed every call and selected).
+Each window of N calls of each variant is timed call by call; the variants
+alternate within every round; the table shows medians.
+
+    python benchmarks/single_function.py [--dtype float32] [--rounds 60] [--modes CVM NUMBA]
+"""
+
+import argparse
+import time
+
+import numpy as np
+import pytensor
+
+from common import available_modes, batch, median, mlp
+
+from lasagne_accum import accumulate_gradients, adam, with_accumulated_gradients
+
+
+def build(mode, dtype, every):
+    out = {}
+    (x, y), params, loss = mlp(dtype)
+    acc = accumulate_gradients(loss, params)
+    apply = adam(acc.grads, params, 1e-3)
+    apply.update(acc.reset)
+    out["acc"] = pytensor.function([x, y], loss, updates=acc.accumulate, mode=mode)
+    out["apply"] = pytensor.function([], [], updates=apply, mode=mode)
+    for lazy in (True, False):
+        (x, y), params, loss = mlp(dtype)
+        upd = with_accumulated_gradients(loss, params, every, adam, lazy=lazy, learning_rate=1e-3)
+        out["lazy" if lazy else "switch"] = pytensor.function([x, y], loss, updates=upd, mode=mode)
+    return out
+
+
+def measure(fns, data, every, rounds):
+    t = {k: [] for k in ("acc", "apply", "lazy-non-step", "lazy-step", "switch-non-step",
+                         "switch-step")}
+    clock = time.perf_counter
+    for _ in range(rounds):
+        for _ in range(every - 1):
+            s = clock(); fns["acc"](*data); t["acc"].append(clock() - s)
+        s = clock(); fns["acc"](*data); t["acc"].append(clock() - s)
+        s = clock(); fns["apply"](); t["apply"].append(clock() - s)
+        for variant in ("lazy", "switch"):
+            f = fns[variant]
+            for _ in range(every - 1):
+                s = clock(); f(*data); t[f"{variant}-non-step"].append(clock() - s)
+            s = clock(); f(*data); t[f"{variant}-step"].append(clock() - s)
+    return {k: median(v) for k, v in t.items()}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    p.add_argument("--every", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=60)
+    p.add_argument("--modes", nargs="*", default=None)
+    args = p.parse_args()
+    modes = args.modes or available_modes()
+    data = batch(args.dtype)
+    print(f"pytensor {pytensor.__version__}, blas: {pytensor.config.blas__ldflags or 'none'}; "
+          f"784-512-10 MLP, batch 64, adam, N={args.every}, {args.dtype}, {args.rounds} rounds")
+    built = {}
+    for mode in modes:
+        try:
+            built[mode] = build(mode, args.dtype, args.every)
+            measure(built[mode], data, args.every, 3)  # warm-up (JIT compilation)
+        except Exception as exc:  # a backend that cannot compile this graph
+            print(f"{mode}: skipped ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})")
+    results = {m: {} for m in built}
+    for _ in range(3):  # interleave the backends too
+        for mode, fns in built.items():
+            r = measure(fns, data, args.every, max(1, args.rounds // 3))
+            for k, v in r.items():
+                results[mode].setdefault(k, []).append(v)
+    header = (f"{'backend':8} {'acc ms':>7} {'apply ms':>8} {'variant':>7} {'non-step':>9}"
+              f" {'step':>7} {'non-step/acc':>13} {'step/(acc+apply)':>17}")
+    print(header)
+    print("-" * len(header))
+    for mode, r in results.items():
+        r = {k: median(v) * 1e3 for k, v in r.items()}
+        for variant in ("lazy", "switch"):
+            ns, st = r[f"{variant}-non-step"], r[f"{variant}-step"]
+            print(f"{mode:8} {r['acc']:7.3f} {r['apply']:8.3f} {variant:>7} {ns:9.3f} {st:7.3f}"
+                  f" {ns / r['acc']:13.3f} {st / (r['acc'] + r['apply']):17.3f}")
+
+
+if __name__ == "__main__":
+    main()
