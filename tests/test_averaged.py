@@ -1,0 +1,401 @@
+"""Tests of the single-function form: ``rule(..., average=N)`` and ``with_accumulated_gradients``.
+
+K windows of N calls of one compiled function must give the same parameters
+and rule state as K windows of the two-function form (accumulate N batches,
+apply once) and as K plain steps of the rule on the concatenated large batches
+(the loss is a mean over the examples of the batch).
+
+Compiled functions are cached in module-level dicts; shared variables are
+reset with ``set_value`` before each scenario.
+"""
+
+from collections import OrderedDict
+from functools import partial
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+
+import lasagne_accum as L
+from lasagne_accum import accumulate_gradients, with_accumulated_gradients
+
+RULES = OrderedDict(
+    sgd=dict(learning_rate=0.1),
+    momentum=dict(learning_rate=0.01, momentum=0.9),
+    nesterov_momentum=dict(learning_rate=0.05, momentum=0.9),
+    adagrad=dict(learning_rate=0.1),
+    rmsprop=dict(learning_rate=0.01),
+    adadelta=dict(learning_rate=1.0),
+    adam=dict(learning_rate=0.01),
+    adamax=dict(),  # Adamax's defaults, as in the seed call ``adamax(loss, params, average=5)``
+    amsgrad=dict(learning_rate=0.01),
+)
+RTOL, ATOL = 1e-10, 1e-13
+N_IN, N_OUT = 3, 4
+_INIT = np.random.default_rng(4321)
+W0 = 0.5 * _INIT.normal(size=(N_IN, N_OUT))
+B0 = 0.1 * _INIT.normal(size=N_OUT)
+K = 2  # windows per scenario
+
+
+# ----------------------------------------------------------------- helpers
+
+
+class Model:
+    """tanh(X W + b) regressed on Y; loss = mean over examples of the squared error."""
+
+    def __init__(self):
+        self.W = pytensor.shared(W0.copy(), name="W")
+        self.b = pytensor.shared(B0.copy(), name="b")
+        self.params = [self.W, self.b]
+        self.X = pt.matrix("X")
+        self.Y = pt.matrix("Y")
+        pred = pt.tanh(pt.dot(self.X, self.W) + self.b)
+        self.loss = pt.mean(pt.sum((pred - self.Y) ** 2, axis=1))
+
+    def reset_params(self):
+        self.W.set_value(W0.copy())
+        self.b.set_value(B0.copy())
+
+
+def zero(variables):
+    for v in variables:
+        v.set_value(np.zeros_like(v.get_value()))
+
+
+def make_batch(rng, size):
+    return rng.normal(size=(size, N_IN)), rng.uniform(-0.9, 0.9, size=(size, N_OUT))
+
+
+def concat(batches):
+    return (np.concatenate([b[0] for b in batches]), np.concatenate([b[1] for b in batches]))
+
+
+def np_grads(W, b, X, Y):
+    h = np.tanh(X @ W + b)
+    dz = 2.0 * (h - Y) * (1.0 - h ** 2) / len(X)
+    return [X.T @ dz, dz.sum(axis=0)]
+
+
+def values(variables):
+    return {v.name: v.get_value().copy() for v in variables}
+
+
+def assert_close(actual, expected, what, exact=False):
+    assert sorted(actual) == sorted(expected), what
+    for name in expected:
+        a, e = np.asarray(actual[name]), np.asarray(expected[name])
+        assert a.dtype == e.dtype, f"{what}: {name}"
+        assert np.all(np.isfinite(a)), f"{what}: {name}"
+        if exact:
+            np.testing.assert_array_equal(a, e, err_msg=f"{what}: {name}")
+        else:
+            np.testing.assert_allclose(a, e, rtol=RTOL, atol=ATOL, err_msg=f"{what}: {name}")
+
+
+def is_accumulation_state(var):
+    return var.name.endswith(".grad_accu") or var.name.startswith("average.")
+
+
+_CACHE = {}
+
+
+def reference(rule, mode=None):
+    """The plain rule compiled once on a (dynamic-size) large batch."""
+    key = ("ref", rule, mode)
+    if key not in _CACHE:
+        m = Model()
+        upd = getattr(L, rule)(m.loss, m.params, **RULES[rule])
+        state = [v for v in upd if v not in m.params]
+        fn = pytensor.function([m.X, m.Y], [], updates=upd, mode=mode)
+        _CACHE[key] = (m, state, fn)
+    return _CACHE[key]
+
+
+def two_function_form(rule, mode=None):
+    """accumulate_gradients (weight = batch size) + the rule applied once per window."""
+    skey = ("step", mode)
+    if skey not in _CACHE:
+        m = Model()
+        n = pt.scalar("n")
+        acc = accumulate_gradients(m.loss, m.params, weight=n)
+        _CACHE[skey] = (m, acc, pytensor.function([m.X, m.Y, n], [], updates=acc.accumulate,
+                                                  mode=mode))
+    key = ("two", rule, mode)
+    if key not in _CACHE:
+        m, acc, step = _CACHE[skey]
+        upd = getattr(L, rule)(acc.grads, m.params, **RULES[rule])
+        state = [v for v in upd if v not in m.params]
+        upd = OrderedDict(upd)
+        upd.update(acc.reset)
+        _CACHE[key] = (m, acc, step, state, pytensor.function([], [], updates=upd, mode=mode))
+    return _CACHE[key]
+
+
+def single_function_form(rule, every, weighted, mode=None, lazy=True):
+    key = ("single", rule, every, weighted, mode, lazy)
+    if key not in _CACHE:
+        m = Model()
+        n = pt.scalar("n")
+        if lazy:
+            upd = getattr(L, rule)(m.loss, m.params, **RULES[rule], average=every,
+                                   weight=n if weighted else None)
+        else:
+            upd = with_accumulated_gradients(m.loss, m.params, every, getattr(L, rule),
+                                             weight=n if weighted else None, lazy=False,
+                                             **RULES[rule])
+        all_state = [v for v in upd if v not in m.params]
+        state = [v for v in all_state if not is_accumulation_state(v)]
+        inputs = [m.X, m.Y, n] if weighted else [m.X, m.Y]
+        fn = pytensor.function(inputs, [], updates=upd, mode=mode)
+        _CACHE[key] = (m, state, all_state, fn)
+    return _CACHE[key]
+
+
+def run_scenario(rule, every, weighted, mode=None, lazy=True, seed=0):
+    """K windows of `every` calls; checks against both references after each window."""
+    sm, s_state, s_all, single = single_function_form(rule, every, weighted, mode, lazy)
+    rm, r_state, ref = reference(rule, mode)
+    tm, acc, step, t_state, apply = two_function_form(rule, mode)
+    for m in (sm, rm, tm):
+        m.reset_params()
+    zero(s_all + r_state + t_state + acc.accumulators + [acc.count, acc.total])
+
+    rng = np.random.default_rng(seed)
+    for window in range(K):
+        if weighted:
+            sizes = rng.integers(1, 7, size=every)
+        else:
+            sizes = [3] * every  # equal sizes: the plain mean of means is the large-batch mean
+        batches = [make_batch(rng, int(k)) for k in sizes]
+        start = values(sm.params + s_state)
+        for i, (X, Y) in enumerate(batches):
+            if weighted:
+                single(X, Y, len(X))
+            else:
+                single(X, Y)
+            if i < every - 1:  # a non-stepping call changes neither params nor rule state
+                assert_close(values(sm.params + s_state), start,
+                             f"{rule} N={every} call {i + 1}", exact=True)
+            step(X, Y, len(X))
+        apply()
+        ref(*concat(batches))
+        what = f"{rule} N={every} weighted={weighted} mode={mode} lazy={lazy} window {window}"
+        got = values(sm.params + s_state)
+        assert_close(got, values(rm.params + r_state), what + " vs large batch")
+        assert_close(got, values(tm.params + t_state), what + " vs two-function form")
+    assert not np.allclose(sm.W.get_value(), W0)
+
+
+# ------------------------------- 10. single function == two functions == large batch
+
+
+@pytest.mark.parametrize("every", [1, 2, 3, 5])
+@pytest.mark.parametrize("rule", list(RULES))
+def test_single_function_equals_two_functions_and_large_batch(rule, every):
+    run_scenario(rule, every, weighted=False)
+
+
+@pytest.mark.parametrize("every", [2, 5])
+@pytest.mark.parametrize("rule", list(RULES))
+def test_single_function_weighted_unequal_batches(rule, every):
+    run_scenario(rule, every, weighted=True, seed=every)
+
+
+def test_counter_and_buffers_follow_the_window():
+    sm, s_state, s_all, single = single_function_form("adam", 3, True)
+    sm.reset_params()
+    zero(s_all)
+    by = {v.name: v for v in s_all}
+    count, total = by["average.count"], by["average.total"]
+    assert count.type.dtype == "int64"
+    assert set(by) == {"average.count", "average.total", "W.grad_accu", "b.grad_accu",
+                       "W.adam_m", "W.adam_v", "b.adam_m", "b.adam_v", "adam.t"}
+    rng = np.random.default_rng(1)
+    batches = [make_batch(rng, k) for k in (2, 4, 1, 5)]
+    expected = [(1, 2.0, 0), (2, 6.0, 0), (0, 7.0, 1), (1, 5.0, 1)]
+    for (X, Y), (c, tot, t) in zip(batches, expected):
+        single(X, Y, len(X))
+        assert int(count.get_value()) == c
+        assert float(total.get_value()) == tot
+        assert float(by["adam.t"].get_value()) == t
+    # the 4th call started a new window: the buffer holds only its weighted gradient
+    g = np_grads(sm.W.get_value(), sm.b.get_value(), *batches[3])
+    np.testing.assert_allclose(by["W.grad_accu"].get_value(), 5 * g[0], rtol=1e-12)
+
+
+# ------------------------------------------------- 11. N = 1 is the plain rule
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_average_1_is_exactly_the_plain_rule(rule):
+    m = Model()
+    upd = getattr(L, rule)(m.loss, m.params, **RULES[rule], average=1)
+    plain_m = Model()
+    plain = getattr(L, rule)(plain_m.loss, plain_m.params, **RULES[rule])
+    # same structure: no accumulator, no counter
+    assert [v.name for v in upd] == [v.name for v in plain]
+    assert not any(is_accumulation_state(v) for v in upd)
+    f = pytensor.function([m.X, m.Y], [], updates=upd)
+    g = pytensor.function([plain_m.X, plain_m.Y], [], updates=plain)
+    rng = np.random.default_rng(2)
+    for size in (3, 1, 4):
+        batch = make_batch(rng, size)
+        f(*batch)
+        g(*batch)
+        assert_close(values(list(upd)), values(list(plain)), rule, exact=True)
+
+
+def test_with_accumulated_gradients_every_1_returns_the_rule_dict():
+    m = Model()
+    upd = with_accumulated_gradients(m.loss, m.params, 1, L.sgd, learning_rate=0.5)
+    assert list(upd) == m.params
+    pytensor.function([m.X, m.Y], [], updates=upd)(*make_batch(np.random.default_rng(3), 2))
+    X, Y = make_batch(np.random.default_rng(3), 2)
+    np.testing.assert_allclose(m.W.get_value(), W0 - 0.5 * np_grads(W0, B0, X, Y)[0],
+                               rtol=1e-12)
+
+
+# ---------------------------------------- 12. user-written rule, lazy=False
+
+
+def sign_sgd(grads, params, learning_rate):
+    """A user rule: a plain function returning an OrderedDict."""
+    return OrderedDict((p, p - learning_rate * pt.sign(g)) for p, g in zip(params, grads))
+
+
+@pytest.mark.parametrize("lazy", [True, False])
+def test_user_rule_sign_sgd(lazy):
+    m = Model()
+    n = pt.scalar("n")
+    upd = with_accumulated_gradients(m.loss, m.params, 3, sign_sgd, weight=n, lazy=lazy,
+                                     learning_rate=0.01)
+    f = pytensor.function([m.X, m.Y, n], [], updates=upd)
+    rng = np.random.default_rng(4)
+    W, b = W0.copy(), B0.copy()
+    for _ in range(2):
+        batches = [make_batch(rng, k) for k in (2, 5, 3)]
+        for i, (X, Y) in enumerate(batches):
+            f(X, Y, len(X))
+            if i < 2:
+                np.testing.assert_array_equal(m.W.get_value(), W)
+        gW, gb = np_grads(W, b, *concat(batches))
+        W, b = W - 0.01 * np.sign(gW), b - 0.01 * np.sign(gb)
+        np.testing.assert_allclose(m.W.get_value(), W, rtol=1e-14)
+        np.testing.assert_allclose(m.b.get_value(), b, rtol=1e-14)
+
+
+@pytest.mark.parametrize("rule", ["adam", "momentum"])
+def test_lazy_false_gives_the_same_numbers(rule):
+    run_scenario(rule, 3, weighted=True, lazy=False, seed=11)
+    lazy_false = values(single_function_form(rule, 3, True, lazy=False)[0].params)
+    run_scenario(rule, 3, weighted=True, lazy=True, seed=11)
+    lazy_true = values(single_function_form(rule, 3, True, lazy=True)[0].params)
+    assert_close(lazy_false, lazy_true, f"{rule} lazy=False vs lazy=True")
+
+
+def test_partial_of_a_library_rule_as_update_rule():
+    m = Model()
+    rule = L.adam(learning_rate=0.01)  # a partial (PyMC convention)
+    assert isinstance(rule, partial)
+    upd = with_accumulated_gradients(m.loss, m.params, 2, rule)
+    f = pytensor.function([m.X, m.Y], [], updates=upd)
+    rm, r_state, ref = reference("adam")
+    rm.reset_params()
+    zero(r_state)
+    rng = np.random.default_rng(5)
+    batches = [make_batch(rng, 3), make_batch(rng, 3)]
+    for X, Y in batches:
+        f(X, Y)
+    ref(*concat(batches))
+    np.testing.assert_allclose(m.W.get_value(), rm.W.get_value(), rtol=RTOL)
+    np.testing.assert_allclose(m.b.get_value(), rm.b.get_value(), rtol=RTOL)
+
+
+# --------------------------------------------------- 13. seed compatibility
+
+
+def test_seed_calls_momentum_and_adamax_average_5():
+    rng = np.random.default_rng(6)
+    for name, make in [
+        ("momentum", lambda loss, params: L.momentum(loss, params, 0.01, momentum=0.9,
+                                                     average=5)),
+        ("adamax", lambda loss, params: L.adamax(loss, params, average=5)),
+    ]:
+        m = Model()
+        upd = make(m.loss, m.params)
+        f = pytensor.function([m.X, m.Y], [], updates=upd)
+        rm, r_state, ref = reference(name)  # momentum lr=0.01, mom=0.9; adamax defaults
+        rm.reset_params()
+        zero(r_state)
+        state = [v for v in upd if v not in m.params and not is_accumulation_state(v)]
+        for _ in range(2):
+            batches = [make_batch(rng, 2) for _ in range(5)]
+            for X, Y in batches:
+                f(X, Y)
+            ref(*concat(batches))
+            assert_close(values(m.params + state), values(rm.params + r_state), name)
+
+
+# ---------------------------------------------------------------- 14. errors
+
+
+def test_errors():
+    m = Model()
+    with pytest.raises(ValueError, match="average must be an integer >= 1, got 0"):
+        L.adam(m.loss, m.params, average=0)
+    with pytest.raises(ValueError, match=">= 1"):
+        L.sgd(m.loss, m.params, 0.1, average=-3)
+    with pytest.raises(TypeError, match="average must be an integer"):
+        L.adam(m.loss, m.params, average=2.5)
+    with pytest.raises(TypeError, match="not a symbolic variable"):
+        L.adam(m.loss, m.params, average=pt.iscalar())
+    with pytest.raises(TypeError, match="every must be a Python integer"):
+        with_accumulated_gradients(m.loss, m.params, pt.iscalar(), L.sgd, learning_rate=0.1)
+    with pytest.raises(TypeError):
+        L.adam(m.loss, m.params, average=True)
+    with pytest.raises(ValueError, match="weight only applies"):
+        L.adam(m.loss, m.params, weight=pt.scalar("n"))
+    with pytest.raises(ValueError, match="weight only applies"):
+        with_accumulated_gradients(m.loss, m.params, 1, L.sgd, weight=pt.scalar("n"),
+                                   learning_rate=0.1)
+    with pytest.raises(TypeError, match="weight must be a scalar"):
+        L.adam(m.loss, m.params, average=2, weight=pt.vector("n"))
+
+    def list_rule(grads, params):
+        return [(p, p - g) for p, g in zip(params, grads)]
+
+    with pytest.raises(TypeError, match="list_rule returned list"):
+        with_accumulated_gradients(m.loss, m.params, 2, list_rule)
+
+    def forgets_b(grads, params):
+        return OrderedDict([(params[0], params[0] - grads[0])])
+
+    with pytest.raises(ValueError, match=r"params\[1\] \(b\)"):
+        with_accumulated_gradients(m.loss, m.params, 2, forgets_b)
+    with pytest.raises(ValueError, match=r"params\[1\] \(b\)"):
+        with_accumulated_gradients(m.loss, m.params, 1, forgets_b)
+
+    def bad_key(grads, params):
+        upd = OrderedDict((p, p - g) for p, g in zip(params, grads))
+        upd[pt.vector("v")] = pt.vector("w")
+        return upd
+
+    with pytest.raises(TypeError, match="not a shared variable"):
+        with_accumulated_gradients(m.loss, m.params, 2, bad_key)
+    with pytest.raises(TypeError, match="update_rule must be callable"):
+        with_accumulated_gradients(m.loss, m.params, 2, "adam")
+    with pytest.raises(TypeError, match="shared variable"):
+        L.adam(m.loss, [m.W, pt.vector("b")], average=2)
+    with pytest.raises(ValueError, match="got no params"):
+        L.adam(m.loss, average=2)
+
+
+# ------------------------------------------------------ 15. C backend too
+
+
+@pytest.mark.parametrize("rule", ["momentum", "adam"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_equivalence_under_cvm(rule, weighted):
+    run_scenario(rule, 3, weighted=weighted, mode="CVM", seed=21)
