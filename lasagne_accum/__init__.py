@@ -10,6 +10,7 @@ every rule, :func:`with_accumulated_gradients`).
 
 __version__ = "0.1.0"
 
+from . import backends as _backends
 from . import updates
 from .accumulate import Accumulation, accumulate_gradients, reset
 from .averaged import SteppingUpdates, with_accumulated_gradients
@@ -63,3 +64,5 @@ __all__ = [
     "load_state",
     "collect_state",
 ]
+
+_backends.install()

@@ -87,6 +87,11 @@ class _SwappableAverage:
                 f"{self.name}: averages are already applied; call restore() before "
                 "applying again (apply() does not nest)"
             )
+        if int(_host(self.num_updates.get_value())) == 0:
+            raise RuntimeError(
+                f"{self.name}: nothing to apply: no optimizer step has been averaged yet "
+                "(merge .updates into the function that takes the optimizer step and call it)"
+            )
         averages = self._averages()
         self._backup = [np.array(_host(p.get_value(borrow=True)), copy=True)
                         for p in self.params]

@@ -1,0 +1,235 @@
+"""Distributed training with a parameter server: sync and async modes, two backends.
+
+The server owns the parameters and the update rule's state, split into
+shards with one compiled apply function each (one shard per parameter by
+default; the rule is called once per shard, so a split Adam keeps a step
+counter per shard and stays Adam). Workers pull the parameters, compute the
+gradients of their batches (optionally accumulating N of them first, which
+cuts the traffic N times) and push them.
+
+* ``mode="sync"``: a round closes when every live worker has pushed, and the
+  weighted mean is applied once: the same step as single-process training
+  on the concatenated batches. A worker that dies mid-round is dropped after
+  ``round_timeout`` seconds (``on_timeout="close"``) or the round fails with
+  :class:`RoundTimeoutError` (``"fail"``); the server keeps serving.
+* ``mode="async"``: every push is applied on arrival, serialized per shard;
+  its staleness is recorded and ``staleness_scale=True`` divides its step by
+  it.
+
+Backends: ``"local"`` (threads in this process, no dependency) and
+``"dask"`` (shards as Dask actors, workers as Dask tasks; a loopback
+``LocalCluster`` of processes unless you give an address). :func:`train`
+runs the same code on both.
+"""
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .core import (
+    ParameterServer,
+    PushRejected,
+    RoundTimeoutError,
+    Shard,
+    StalePushError,
+    UnknownWorkerError,
+    Worker,
+    model_spec,
+)
+from .local import run_local
+
+__all__ = [
+    "train",
+    "TrainResult",
+    "ParameterServer",
+    "Shard",
+    "Worker",
+    "PushRejected",
+    "UnknownWorkerError",
+    "StalePushError",
+    "RoundTimeoutError",
+    "run_local",
+]
+
+BACKENDS = ("local", "dask")
+
+
+@dataclass
+class TrainResult:
+    """What :func:`train` returns.
+
+    Attributes
+    ----------
+    params : dict
+        ``{name: array}`` at the end.
+    version : tuple
+        The shards' versions (optimizer steps) at the end.
+    stats : dict
+        The server's counters (see ``ParameterServer.stats``).
+    workers : list of dict
+        Each worker's report: ``pushes``, ``batches``, ``examples``,
+        ``bytes`` pushed, ``losses`` as ``(wall time, loss, examples)``,
+        ``staleness`` per push, ``t_start``/``t_end`` (wall time, after
+        compiling), ``compile_s``.
+    history : list
+        ``(wall time, version, params)`` snapshots every `snapshot_interval`.
+    backend, mode : str
+    server : ParameterServer or None
+        The local server (to keep training or save it); None for Dask, whose
+        actors are released at the end (use `checkpoint_to`).
+    """
+
+    params: dict
+    version: tuple
+    stats: dict
+    workers: list
+    history: list = field(default_factory=list)
+    backend: str = "local"
+    mode: str = "sync"
+    server: object = None
+
+    @property
+    def pushes(self):
+        return sum(r["pushes"] for r in self.workers)
+
+    @property
+    def examples(self):
+        return sum(r["examples"] for r in self.workers)
+
+    @property
+    def t_start(self):
+        return min(r["t_start"] for r in self.workers)
+
+    @property
+    def elapsed(self):
+        """Seconds from the first worker's start to the last one's end (no compiling)."""
+        return max(r["t_end"] for r in self.workers) - self.t_start
+
+    @property
+    def pushes_per_second(self):
+        return self.pushes / self.elapsed if self.elapsed > 0 else float("nan")
+
+    @property
+    def bytes_per_example(self):
+        """Gradient bytes pushed per training example."""
+        return sum(r["bytes"] for r in self.workers) / self.examples
+
+    def losses(self):
+        """All workers' ``(seconds since start, batch loss, examples)``, in time order."""
+        t0 = self.t_start
+        return sorted((t - t0, loss, n) for r in self.workers for t, loss, n in r["losses"])
+
+
+def _initial_params(build_model, model_kwargs):
+    _, _, params, _ = model_spec(build_model(**dict(model_kwargs or {})))
+    out = {}
+    for i, p in enumerate(params):
+        if not getattr(p, "name", None):
+            raise ValueError(f"build_model(): params[{i}] has no name; the server keys "
+                             "parameters by name")
+        out[p.name] = np.array(p.get_value(), copy=True)
+    return out
+
+
+def train(build_model, worker_batches, update_rule, rule_kwargs=None, *, n_workers=None,
+          mode="sync", backend="local", accumulate=1, shards=None, merge="mean",
+          staleness_scale=False, round_timeout=None, on_timeout="close", model_kwargs=None,
+          compile_mode=None, snapshot_interval=None, resume_from=None, checkpoint_to=None,
+          server=None, address=None, client=None, security=None, n_dask_workers=None,
+          keep_log=False):
+    """Train with a parameter server and one worker per batch list; same code on both backends.
+
+    Parameters
+    ----------
+    build_model : callable
+        ``build_model(**model_kwargs)`` returning ``(inputs, loss, params)``
+        with named shared params (optionally a 4th element: the batch weight,
+        default the first input's length). Called once here for the initial
+        values and once in every worker. For Dask: a module-level function
+        (functions of the ``__main__`` script are pickled by value).
+    worker_batches : list or callable
+        One list of batches (tuples of input arrays) per worker, or
+        ``worker_batches(k)`` returning worker k's batches (with
+        `n_workers`; under Dask it is called inside the task).
+    update_rule, rule_kwargs
+        Any rule and its hyperparameters; ``learning_rate`` may be a
+        schedule ``callable(step) -> float`` evaluated at every shard step
+        (sync and async alike).
+    mode : {"sync", "async"}
+    backend : {"local", "dask"}
+    accumulate : int
+        Batches accumulated locally per push.
+    shards, merge, staleness_scale, round_timeout, on_timeout, compile_mode, keep_log
+        See :class:`ParameterServer`.
+    snapshot_interval : float, optional
+        Record ``(time, version, params)`` every this many seconds.
+    resume_from, checkpoint_to : path, optional
+        Load the server's state before training; save it after.
+    server : ParameterServer or DaskParameterServer, optional
+        Keep training on an existing server (then `update_rule` and the
+        server options are not used).
+    address, client, security, n_dask_workers
+        Dask only: a scheduler address to connect to (with an optional
+        ``distributed.security.Security``), or a Client to use; otherwise a
+        loopback ``LocalCluster`` of `n_dask_workers` processes (default:
+        one per worker) is started and closed.
+
+    Returns
+    -------
+    TrainResult
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be 'local' or 'dask', got {backend!r}")
+    if callable(worker_batches):
+        if n_workers is None:
+            raise ValueError("with a callable worker_batches, give n_workers")
+        per = [functools.partial(worker_batches, k) for k in range(n_workers)]
+    else:
+        per = list(worker_batches)
+        if n_workers is not None and n_workers != len(per):
+            raise ValueError(f"n_workers={n_workers} but {len(per)} batch lists")
+    if not per:
+        raise ValueError("no workers: worker_batches is empty")
+    opts = dict(mode=mode, shards=shards, merge=merge, staleness_scale=staleness_scale,
+                round_timeout=round_timeout, on_timeout=on_timeout, compile_mode=compile_mode,
+                keep_log=keep_log)
+    run = dict(accumulate=accumulate, model_kwargs=model_kwargs, compile_mode=compile_mode,
+               snapshot_interval=snapshot_interval)
+
+    if backend == "local":
+        if server is None:
+            server = ParameterServer(_initial_params(build_model, model_kwargs), update_rule,
+                                     rule_kwargs, **opts)
+        if resume_from is not None:
+            server.load(resume_from)
+        batches = [b() if callable(b) else b for b in per]
+        reports, history = run_local(server, build_model, batches, **run)
+        return _finish(server, reports, history, "local", checkpoint_to, keep=server)
+
+    from .dask import DaskParameterServer, connect, local_cluster, run_dask
+
+    with contextlib.ExitStack() as stack:
+        if client is None:
+            if address is not None:
+                client = stack.enter_context(connect(address, security=security))
+            else:
+                client = stack.enter_context(
+                    local_cluster(n_dask_workers or len(per), security=security))
+        if server is None:
+            server = DaskParameterServer(client, _initial_params(build_model, model_kwargs),
+                                         update_rule, rule_kwargs, **opts)
+            stack.callback(server.close)
+        if resume_from is not None:
+            server.load(resume_from)
+        reports, history = run_dask(server, client, build_model, per, **run)
+        return _finish(server, reports, history, "dask", checkpoint_to, keep=None)
+
+
+def _finish(server, reports, history, backend, checkpoint_to, keep):
+    if checkpoint_to is not None:
+        server.save(checkpoint_to)
+    version, params = server.pull()
+    return TrainResult(params=params, version=version, stats=server.stats(), workers=reports,
+                       history=history, backend=backend, mode=server.mode, server=keep)
