@@ -1,28 +1,92 @@
-"""Small fixes to PyTensor's PyTorch backend, applied when that backend loads.
+"""Small fixes to PyTensor's C, JAX and PyTorch backends.
 
-PyTensor 3.0's PyTorch dispatch maps the scalar ``Pow`` op to ``torch.power``,
-which does not exist (the function is ``torch.pow``), and its
-``ScalarFromTensor`` indexes its input with ``x[()]``, which fails when
-TorchDynamo hands it a Python scalar. Either breaks every update rule with a
-bias correction (``beta ** t``) or a data-dependent shape. The fixes are
-registered on PyTensor's own dispatcher, and only once PyTensor imports its
-PyTorch dispatch module (so importing this library never imports torch).
+* C: a float32 constant is written into the generated C code as
+  ``str(numpy.float32(0.999))``, i.e. ``0.999``, a *double* literal that is not
+  the float32 value 0.99900001... The C code then computes ``1 - beta2`` and
+  friends with a slightly different number than Numba, JAX, PyTorch and numpy
+  do (5e-6 relative after three Adam steps in float32). The fix writes the
+  exact value of the float32 constant (``0.9990000128746033``).
+
+* JAX: PyTensor 3.0's reductions (``CAReduce``: ``Sum``, ``Prod``...) return
+  their *accumulator* dtype. A float32 sum accumulates in float64, so the bias
+  gradient of a float32 model comes back float64 and, through the update,
+  silently turns the float32 shared variables into float64 ones. The fix
+  casts each reduction's result to the dtype of its output variable.
+* PyTorch: the scalar ``Pow`` op is mapped to ``torch.power``, which does not
+  exist (the function is ``torch.pow``), and ``ScalarFromTensor`` indexes its
+  input with ``x[()]``, which fails when TorchDynamo hands it a Python scalar.
+  Either breaks every rule with a bias correction (``beta ** t``) or a
+  data-dependent shape.
+
+The fixes are registered on PyTensor's own dispatchers, and only once PyTensor
+imports the backend's dispatch module: importing this library never imports
+jax or torch.
 """
 
 import importlib.abc
 import importlib.util
 import sys
 
-__all__ = ["register_pytorch_fixes"]
+__all__ = ["register_c_fixes", "register_jax_fixes", "register_pytorch_fixes"]
 
-_DISPATCH_MODULE = "pytensor.link.pytorch.dispatch"
-_registered = False
+_registered = set()
+
+
+def register_c_fixes():
+    """Write float32/float16 constants into C code with their exact value (idempotent)."""
+    if "c" in _registered:
+        return
+    import numpy as np
+    from pytensor.scalar.basic import ScalarType
+
+    original = ScalarType.c_literal
+
+    def c_literal(self, data):
+        if self.dtype in ("float16", "float32") and np.isfinite(data):
+            return repr(float(data))  # the float's exact value, as a double literal
+        return original(self, data)
+
+    c_literal.__doc__ = original.__doc__
+    ScalarType.c_literal = c_literal
+    # Compiled C modules are cached under a key built from, among others, the
+    # types' cache versions, not from the code's text: mark the new literals in
+    # the version so that no module compiled with the old ones is reused.
+    original_version = ScalarType.c_code_cache_version
+
+    def c_code_cache_version(self):
+        version = original_version(self)
+        return (*version, "exact-float-literals", 1) if version else version
+
+    ScalarType.c_code_cache_version = c_code_cache_version
+    _registered.add("c")
+
+
+def register_jax_fixes():
+    """Cast every reduction to its output dtype (idempotent; imports jax)."""
+    if "jax" in _registered:
+        return
+    from pytensor.link.jax.dispatch.basic import jax_funcify
+    from pytensor.link.jax.dispatch.elemwise import jax_funcify_CAReduce
+    from pytensor.tensor.elemwise import CAReduce
+
+    @jax_funcify.register(CAReduce)
+    def _jax_funcify_careduce(op, node=None, **kwargs):
+        reduce = jax_funcify_CAReduce(op, node=node, **kwargs)
+        if node is None:
+            return reduce
+        out_dtype = node.outputs[0].type.dtype
+
+        def careduce(x):
+            return reduce(x).astype(out_dtype)
+
+        return careduce
+
+    _registered.add("jax")
 
 
 def register_pytorch_fixes():
     """Register the fixes on ``pytorch_funcify`` (idempotent; imports torch)."""
-    global _registered
-    if _registered:
+    if "pytorch" in _registered:
         return
     import torch
     from pytensor.link.pytorch.dispatch.basic import pytorch_funcify
@@ -40,14 +104,20 @@ def register_pytorch_fixes():
 
         return scalar_from_tensor
 
-    _registered = True
+    _registered.add("pytorch")
+
+
+_FIXES = {
+    "pytensor.link.jax.dispatch": register_jax_fixes,
+    "pytensor.link.pytorch.dispatch": register_pytorch_fixes,
+}
 
 
 class _Hook(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Run :func:`register_pytorch_fixes` right after PyTensor's dispatch loads."""
+    """Run a backend's fixes right after PyTensor's dispatch module for it loads."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != _DISPATCH_MODULE:
+        if fullname not in _FIXES:
             return None
         sys.meta_path.remove(self)
         try:
@@ -56,23 +126,30 @@ class _Hook(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             sys.meta_path.insert(0, self)
         if spec is None:
             return None
-        self._loader = spec.loader
-        spec.loader = self
+        spec.loader = _FixingLoader(spec.loader, _FIXES[fullname])
         return spec
+
+
+class _FixingLoader(importlib.abc.Loader):
+    def __init__(self, loader, fix):
+        self._loader, self._fix = loader, fix
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        register_pytorch_fixes()
+        self._fix()
 
 
 def install():
-    """Apply the fixes now if PyTensor's PyTorch dispatch is loaded, else on its import."""
-    if _DISPATCH_MODULE in sys.modules:
-        register_pytorch_fixes()
-    elif not any(isinstance(f, _Hook) for f in sys.meta_path):
+    """Apply each backend's fixes now if its dispatch is loaded, else when it loads."""
+    register_c_fixes()
+    pending = False
+    for module, fix in _FIXES.items():
+        if module in sys.modules:
+            fix()
+        else:
+            pending = True
+    if pending and not any(isinstance(f, _Hook) for f in sys.meta_path):
         sys.meta_path.insert(0, _Hook())

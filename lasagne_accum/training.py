@@ -77,7 +77,7 @@ class AccumulationTrainer:
         self.accumulation = accumulation
         self.every = every
         self.steps = 0
-        self._pending = 0
+        self._pending = None  # batches in the window; read from the counter when None
 
     @property
     def pending(self):
@@ -91,6 +91,8 @@ class AccumulationTrainer:
         -------
         The accumulate function's outputs for this batch (the loss).
         """
+        if self._pending is None:
+            self._pending = self.pending
         out = self.accumulate_fn(*batch)
         if self.accumulation.skipped is None:
             self._pending += 1
@@ -113,6 +115,24 @@ class AccumulationTrainer:
             return False
         self._apply()
         return True
+
+    def save(self, path, *more):
+        """Checkpoint everything the two functions update (and `more`).
+
+        See :func:`lasagne_accum.save_state`; a mid-window checkpoint resumes
+        the window where it stopped.
+        """
+        from .state import save_state
+
+        return save_state(path, self, *more)
+
+    def load(self, path, *more):
+        """Load a checkpoint written by :meth:`save` and resume its window."""
+        from .state import load_state
+
+        names = load_state(path, self, *more)
+        self._pending = None
+        return names
 
     def _apply(self):
         self.apply_fn()

@@ -476,7 +476,7 @@ class Shard:
 
     # ---------------------------------------------------------------- push
 
-    def push(self, worker_id, seq, grads, weight=1.0, version=None):
+    def push(self, worker_id, seq, grads, weight=1.0, version=None, pull=False):
         """Apply (async) or add to the open round (sync) one worker's gradients.
 
         Parameters
@@ -493,6 +493,9 @@ class Shard:
             Examples behind the gradient (its weight in the sync mean).
         version : int
             The shard version the gradient was computed from.
+        pull : bool
+            Also return the parameters after the push (``params``), saving a
+            :meth:`pull` (async mode, or the push that closes a sync round).
 
         Returns
         -------
@@ -531,9 +534,9 @@ class Shard:
                 if seq in self._seen[worker_id] or self._pending.get(worker_id, (None,))[0] == seq:
                     self._stats["duplicates"] += 1
                     last = self._last.get(worker_id)
-                    return dict(applied=False, duplicate=True, staleness=None,
-                                round=last[1] if last and last[0] == seq else None,
-                                version=self._version)
+                    return self._pulled(pull, dict(
+                        applied=False, duplicate=True, staleness=None,
+                        round=last[1] if last and last[0] == seq else None))
                 if version < 0 or version > self._version:
                     raise PushRejected(f"{where}: version {version} does not exist (the shard "
                                        f"is at version {self._version})")
@@ -552,15 +555,15 @@ class Shard:
             self._stats["bytes"] += sum(a.nbytes for a in arrays)
             self._stats["examples"] += weight
             if self.mode == "async":
-                return self._apply_async(worker_id, seq, arrays, version)
+                return self._pulled(pull, self._apply_async(worker_id, seq, arrays, version))
             if not self._pending:
                 self._round_started = time.monotonic()
             self._pending[worker_id] = (seq, arrays, weight)
             self._last[worker_id] = (seq, self._round)
             rid = self._round
             closed = self._complete() and self._close_round(timed_out=False)
-            return dict(applied=bool(closed), duplicate=False, staleness=0, round=rid,
-                        version=self._version)
+            return self._pulled(pull and bool(closed), dict(
+                applied=bool(closed), duplicate=False, staleness=0, round=rid))
 
     def _apply_async(self, worker_id, seq, arrays, version):
         staleness = self._version - version
@@ -572,8 +575,13 @@ class Shard:
         self._staleness[staleness] = self._staleness.get(staleness, 0) + 1
         if self.keep_log:
             self._log.append((worker_id, seq, staleness))
-        return dict(applied=True, duplicate=False, staleness=staleness, round=None,
-                    version=self._version)
+        return dict(applied=True, duplicate=False, staleness=staleness, round=None)
+
+    def _pulled(self, pull, result):
+        result["version"] = self._version
+        if pull:
+            result["params"] = self._copy()
+        return result
 
     # ---------------------------------------------------------------- sync rounds
 
@@ -620,7 +628,7 @@ class Shard:
     def _fail_round(self):
         missing = [w for w in self._live if w not in self._pending]
         pushed = sorted(self._pending, key=str)
-        dropped = self._drop(missing, f"dropped after missing the timeout of round {self._round}")
+        self._drop(missing, f"dropped after missing the timeout of round {self._round}")
         for w in pushed:      # not applied: the same (worker, seq) may be pushed again
             if self._last.get(w, (None,))[0] == self._pending[w][0]:
                 self._last.pop(w)
@@ -663,7 +671,7 @@ class Shard:
             return None
         return max(0.0, self._round_started + self.round_timeout - time.monotonic())
 
-    def wait_round(self, round_id, timeout=None, blocking=True):
+    def wait_round(self, round_id, timeout=None, blocking=True, pull=False):
         """Wait for sync round `round_id` to close; return its result.
 
         Parameters
@@ -676,6 +684,9 @@ class Shard:
         blocking : bool
             False: return None at once if another thread holds the shard's
             lock (for callers that must not block, such as an event loop).
+        pull : bool
+            Also return the parameters (``params``) with the shard's current
+            ``version``.
 
         Returns
         -------
@@ -698,9 +709,9 @@ class Shard:
                     result = self._results[round_id]
                     if isinstance(result, Exception):
                         raise RoundTimeoutError(str(result))
-                    return dict(result)
+                    return self._pulled(pull, dict(result)) if pull else dict(result)
                 if round_id < self._round:
-                    return dict(round=round_id, expired=True)
+                    return self._pulled(pull, dict(round=round_id, expired=True))
                 if round_id > self._round:
                     raise ValueError(f"shard {self.name!r}: round {round_id} has not opened "
                                      f"(the open round is {self._round})")
@@ -844,7 +855,8 @@ class BaseServer:
             values.update(arrays)
         return tuple(version), {n: values[n] for n in self.names if n in values}
 
-    def push(self, worker_id, seq, grads, weight=1.0, version=None, *, shards=None, wait=True):
+    def push(self, worker_id, seq, grads, weight=1.0, version=None, *, shards=None, wait=True,
+             pull=False):
         """Push one worker's gradients to their shards.
 
         Parameters
@@ -866,6 +878,10 @@ class BaseServer:
         wait : bool
             Sync mode: return when the round has closed (default). False:
             return at once (the ``round`` entries say what to wait for).
+        pull : bool
+            Also return the target shards' parameters after the push (and
+            after the round, in sync mode) as ``params``, with their versions
+            in ``version``: one call instead of a push and a :meth:`pull`.
 
         Returns
         -------
@@ -916,26 +932,45 @@ class BaseServer:
                 raise PushRejected(f"version[{i}] (shard {self.shard_names[i]!r}) must be an "
                                    f"integer, got {v!r}")
             args.append((worker_id, seq, dict(zip(names, arrays)), weight, int(v)))
-        results = self._call(idx, "push", args)
         out_version = [None] * len(self.plan)
         per = OrderedDict()
-        for i, r in zip(idx, results):
-            per[self.shard_names[i]] = r
-            out_version[i] = r["version"]
         if self.mode == "sync" and wait:
-            for i, r in zip(idx, results):
-                if r.get("round") is None:      # a duplicate of an old push
-                    continue
-                info = self._wait(i, r["round"])
-                per[self.shard_names[i]] = dict(info, duplicate=r["duplicate"])
-                out_version[i] = info.get("version", out_version[i])
+            results, infos = self._push_wait(idx, args, pull)
+            for i, r, info in zip(idx, results, infos):
+                per[self.shard_names[i]] = r if info is None else dict(info,
+                                                                       duplicate=r["duplicate"])
+                out_version[i] = r["version"] if info is None else info["version"]
             applied = all(not r["duplicate"] for r in results)
         else:
+            results = self._call(idx, "push", [a + (pull,) for a in args])
+            for i, r in zip(idx, results):
+                per[self.shard_names[i]] = r
+                out_version[i] = r["version"]
             applied = all(r["applied"] for r in results)
         stal = [r["staleness"] for r in results if r.get("staleness") is not None]
-        return dict(applied=applied, duplicate=any(r["duplicate"] for r in results),
-                    staleness=max(stal) if stal else None, version=tuple(out_version),
-                    shards=per)
+        out = dict(applied=applied, duplicate=any(r["duplicate"] for r in results),
+                   staleness=max(stal) if stal else None, version=tuple(out_version),
+                   shards=per)
+        if pull:
+            params = {}
+            missing = [i for i in idx if "params" not in per[self.shard_names[i]]]
+            for i in idx:
+                params.update(per[self.shard_names[i]].pop("params", {}))
+            if missing:
+                for i, (v, arrays) in zip(missing, self._call(missing, "pull",
+                                                              [()] * len(missing))):
+                    params.update(arrays)
+                    out_version[i] = v
+                out["version"] = tuple(out_version)
+            out["params"] = {n: params[n] for n in self.names if n in params}
+        return out
+
+    def _push_wait(self, idx, args, pull):
+        """Sync mode: push to each shard, then wait for its round: (results, infos)."""
+        results = self._call(idx, "push", args)
+        infos = [None if r.get("round") is None else self._wait(i, r["round"], pull)
+                 for i, r in zip(idx, results)]      # round None: a retry of an old push
+        return results, infos
 
     def wait(self, push_result):
         """Sync mode, after ``push(..., wait=False)``: wait for its rounds."""
@@ -1087,8 +1122,8 @@ class ParameterServer(BaseServer):
     def _call(self, indices, method, args_list):
         return [getattr(self.shards[i], method)(*args) for i, args in zip(indices, args_list)]
 
-    def _wait(self, index, round_id):
-        return self.shards[index].wait_round(round_id)
+    def _wait(self, index, round_id, pull=False):
+        return self.shards[index].wait_round(round_id, pull=pull)
 
 
 # ------------------------------------------------------------------ worker
@@ -1109,6 +1144,13 @@ def model_spec(built):
     if weight is None:
         weight = inputs[0].shape[0]       # examples in the batch
     return inputs, loss, list(params), weight
+
+
+def _aligned(a):
+    """`a`, copied if it is an unaligned array (Dask's transfers make those; C code refuses them)."""
+    if isinstance(a, np.ndarray) and not a.flags.aligned:
+        return np.array(a, copy=True)
+    return a
 
 
 class Worker:
@@ -1165,29 +1207,38 @@ class Worker:
 
     def _set(self, values):
         for n, v in values.items():
-            self.params[n].set_value(v)
+            self.params[n].set_value(_aligned(v))
 
-    def run(self, batches, *, register=True, unregister=True):
+    def run(self, batches, *, register=True, unregister=True, start=None):
         """Train on `batches` (tuples of the inputs), pushing every `accumulate` batches.
 
-        A partial window at the end is pushed too. Returns a report: pushes,
-        batches, examples, bytes pushed, ``losses`` as ``(wall time, loss,
-        examples)``, ``staleness`` per push, start and end wall times.
+        A partial window at the end is pushed too. The first batch is run
+        once untimed (and its gradient discarded) so that JIT backends
+        compile before ``t_start``; `start`, if given, is called after that
+        (a barrier, so that timed runs start together). Returns a report:
+        pushes, batches, examples, bytes pushed, ``losses`` as ``(wall time,
+        loss, examples)``, ``staleness`` per push, start and end wall times,
+        ``server_s`` (seconds spent in push calls: transfer, waiting for the
+        round, applying).
+        The worker unregisters at the end, also when it fails.
         """
         report = dict(worker=self.worker_id, pushes=0, batches=0, examples=0.0, bytes=0,
-                      duplicates=0, losses=[], staleness=[], compile_s=self.compile_seconds)
+                      duplicates=0, losses=[], staleness=[], compile_s=self.compile_seconds,
+                      server_s=0.0)
         try:
             if register:
                 self.version, values = self.server.register(self.worker_id)
             else:
                 self.version, values = self.server.pull()
             self._set(values)
-            batches = iter(batches)
+            batches = (tuple(_aligned(a) for a in batch) for batch in batches)
             first = next(batches, None)
             if first is not None:       # JIT backends compile on the first call: not timed
                 self._step(*first)
                 self._read()
                 batches = itertools.chain([first], batches)
+            if start is not None:
+                start()
             report["t_start"] = time.time()
             window = 0
             for batch in batches:
@@ -1212,8 +1263,10 @@ class Worker:
     def _push(self, report):
         *grads, total = self._read()
         grads = OrderedDict((n, np.asarray(g)) for n, g in zip(self.params, grads))
+        start = time.perf_counter()
         result = self.server.push(self.worker_id, self.seq, grads, weight=float(total),
-                                  version=self.version)
+                                  version=self.version, pull=True)
+        report["server_s"] += time.perf_counter() - start
         self.seq += 1
         report["pushes"] += 1
         report["examples"] += float(total)
@@ -1221,6 +1274,6 @@ class Worker:
         report["duplicates"] += bool(result["duplicate"])
         if result["staleness"] is not None:
             report["staleness"].append(result["staleness"])
-        self.version, values = self.server.pull()
-        self._set(values)
+        self.version = result["version"]
+        self._set(result["params"])
         return result

@@ -1,10 +1,11 @@
 """The Dask backend: server shards as Dask actors, workers as Dask tasks.
 
-Each shard of the server is a Dask actor (``client.submit(ShardActor, ...,
-actor=True)``) placed round-robin on the cluster's workers, so updates of
-different shards run in different processes while each shard's updates are
-serialized by its actor. Each trainer is a Dask task that compiles its own
-gradient function and talks to the shard actors directly.
+The server's shards are placed round-robin on the cluster's workers; the
+shards of one worker live in one Dask actor (``client.submit(ShardActor,
+..., actor=True)``), so updates of shards on different workers run in
+different processes while each shard's updates are serialized by its lock,
+and a push costs one message per process. Each trainer is a Dask task that
+compiles its own gradient function and talks to the actors directly.
 
 Without an address, :func:`local_cluster` starts a ``LocalCluster`` of
 processes bound to 127.0.0.1 (scheduler, workers, nannies and the scheduler's
@@ -17,6 +18,7 @@ need it do.
 """
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import time
@@ -40,47 +42,70 @@ def _require_distributed():
 
 
 class ShardActor:
-    """A :class:`~lasagne_accum.distributed.core.Shard` living in a Dask actor.
+    """The shards placed on one Dask worker, as one Dask actor.
 
-    Synchronous methods run on the worker's actor thread (one at a time);
-    :meth:`wait_round` is a coroutine on the worker's event loop, so waiting
-    for a sync round never blocks the pushes that close it.
+    Each method takes a list of ``(shard name, args)`` and returns a list of
+    ``(ok, result or exception)``, so that one message per process serves
+    every shard there. Synchronous methods run on the worker's actor thread;
+    :meth:`push_wait` and :meth:`wait_round` are coroutines on the worker's
+    event loop, so waiting for a sync round never blocks the pushes that
+    close it. Each shard still serializes its own updates with its lock.
     """
 
-    def __init__(self, *args, **kwargs):
-        self._shard = Shard(*args, **kwargs)
+    def __init__(self, shard_specs):
+        self._shards = {}
+        for args, kwargs in shard_specs:
+            shard = Shard(*args, **kwargs)
+            self._shards[shard.name] = shard
+        self._pusher = None
 
-    def register(self, worker_id):
-        return self._shard.register(worker_id)
+    async def call_async(self, method, calls):
+        """:meth:`call` on the actor's own thread, from the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor(), self.call, method, calls)
 
-    def unregister(self, worker_id):
-        return self._shard.unregister(worker_id)
+    def _executor(self):
+        if self._pusher is None:
+            self._pusher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shards")
+        return self._pusher
 
-    def pull(self):
-        return self._shard.pull()
+    def call(self, method, calls):
+        out = []
+        for name, args in calls:
+            try:
+                out.append((True, getattr(self._shards[name], method)(*args)))
+            except Exception as exc:      # sent back, raised by the caller
+                out.append((False, exc))
+        return out
 
-    def push(self, worker_id, seq, grads, weight, version):
-        return self._shard.push(worker_id, seq, grads, weight, version)
+    async def push_wait(self, calls, pull=False):
+        """Sync mode in one message: push to the shards, then wait for their rounds.
 
-    def stats(self):
-        return self._shard.stats()
+        Returns ``(ok, (push result, round info))`` per shard.
+        """
+        pushed = await self.call_async("push", calls)
+        out = []
+        for (name, _), (ok, result) in zip(calls, pushed):
+            if not ok or result.get("round") is None:
+                out.append((ok, (result, None) if ok else result))
+                continue
+            try:
+                out.append((True, (result, await self.wait_round(name, result["round"], pull))))
+            except Exception as exc:
+                out.append((False, exc))
+        return out
 
-    def state(self):
-        return dict(self._shard.state())
-
-    def load(self, arrays):
-        return self._shard.load(arrays)
-
-    async def wait_round(self, round_id, poll=0.002):
+    async def wait_round(self, name, round_id, pull=False, poll=0.002):
+        shard = self._shards[name]
         while True:
-            result = self._shard.wait_round(round_id, timeout=0, blocking=False)
+            result = shard.wait_round(round_id, timeout=0, blocking=False, pull=pull)
             if result is not None:
                 return result
             await asyncio.sleep(poll)
 
 
 class DaskParameterServer(BaseServer):
-    """The parameter server with its shards as Dask actors.
+    """The parameter server with its shards in Dask actors.
 
     Same methods and options as
     :class:`~lasagne_accum.distributed.core.ParameterServer`, plus:
@@ -96,6 +121,8 @@ class DaskParameterServer(BaseServer):
     workers : list of str, optional
         Worker addresses to place shards on (round-robin); default all.
 
+    Shards are placed round-robin on the workers (``placement``); the shards
+    of one worker live in one actor (one message per process and call).
     The object pickles to its actor handles, so tasks can take it as an
     argument and push directly to the shards. :meth:`close` releases the
     actors.
@@ -116,19 +143,22 @@ class DaskParameterServer(BaseServer):
         opts = dict(mode=mode, merge=merge, staleness_scale=staleness_scale,
                     round_timeout=round_timeout, on_timeout=on_timeout,
                     compile_mode=compile_mode, check_finite=check_finite, keep_log=keep_log)
+        self.placement = {s: addresses[i % len(addresses)] for i, s in enumerate(self.plan)}
+        hosts = list(dict.fromkeys(self.placement.values()))
+        self._group_of = [hosts.index(self.placement[s]) for s in self.shard_names]
         tag = uuid.uuid4().hex[:8]
-        self._futures = [
-            client.submit(ShardActor, s, {n: arrays[n] for n in group}, update_rule,
-                          rule_kwargs, actor=True, workers=[addresses[i % len(addresses)]],
-                          allow_other_workers=False, pure=False, key=f"shard-{s}-{tag}", **opts)
-            for i, (s, group) in enumerate(self.plan.items())]
+        self._futures = []
+        for g, address in enumerate(hosts):
+            specs = [((s, {n: arrays[n] for n in self.plan[s]}, update_rule, rule_kwargs), opts)
+                     for s in self.shard_names if self.placement[s] == address]
+            self._futures.append(client.submit(
+                ShardActor, specs, actor=True, workers=[address], allow_other_workers=False,
+                pure=False, key=f"lasagne-shards-{g}-{tag}"))
         try:
             self._actors = [f.result() for f in self._futures]
         except BaseException:
             self.close()
             raise
-        self.placement = dict(zip(self.shard_names,
-                                  [addresses[i % len(addresses)] for i in range(len(self.plan))]))
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -136,20 +166,43 @@ class DaskParameterServer(BaseServer):
         return state
 
     def _call(self, indices, method, args_list):
-        futures = [getattr(self._actors[i], method)(*args) for i, args in zip(indices, args_list)]
-        results, error = [], None
-        for f in futures:
+        groups = {}
+        for pos, (i, args) in enumerate(zip(indices, args_list)):
+            groups.setdefault(self._group_of[i], []).append((pos, self.shard_names[i], args))
+        futures = {g: self._actors[g].call_async(method, [(n, a) for _, n, a in items])
+                   for g, items in groups.items()}
+        return self._gather(len(indices), groups, futures)
+
+    def _push_wait(self, idx, args, pull):
+        groups = {}
+        for pos, (i, a) in enumerate(zip(idx, args)):
+            groups.setdefault(self._group_of[i], []).append((pos, self.shard_names[i], a))
+        futures = {g: self._actors[g].push_wait([(n, a) for _, n, a in items], pull)
+                   for g, items in groups.items()}
+        pairs = self._gather(len(idx), groups, futures)
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    @staticmethod
+    def _gather(n, groups, futures):
+        results, error = [None] * n, None
+        for g, items in groups.items():
             try:
-                results.append(f.result())
+                outs = futures[g].result()
             except Exception as exc:
-                results.append(None)
                 error = error or exc
+                continue
+            for (pos, _, _), (ok, value) in zip(items, outs):
+                if ok:
+                    results[pos] = value
+                else:
+                    error = error or value
         if error is not None:
             raise error
         return results
 
-    def _wait(self, index, round_id):
-        return self._actors[index].wait_round(round_id).result()
+    def _wait(self, index, round_id, pull=False):
+        return self._actors[self._group_of[index]].wait_round(
+            self.shard_names[index], round_id, pull).result()
 
     def close(self):
         """Release the shard actors (their state is lost: :meth:`save` first)."""
@@ -194,8 +247,23 @@ def connect(address, *, security=None):
         client.close()
 
 
+class _StartBarrier:
+    """Called by each trainer task after its warm-up: report ready, wait for the go."""
+
+    def __init__(self, tag, timeout=300):
+        self.tag, self.timeout = tag, timeout
+
+    def ready_event(self, worker_id):
+        return f"{self.tag}-ready-{worker_id}"
+
+    def __call__(self, worker_id):
+        distributed = _require_distributed()
+        distributed.Event(self.ready_event(worker_id)).set()
+        distributed.Event(f"{self.tag}-go").wait(self.timeout)
+
+
 def _worker_task(server, worker_id, build_model, batches, accumulate, model_kwargs,
-                 compile_mode):
+                 compile_mode, barrier=None):
     """Run one trainer inside a Dask worker process."""
     try:
         worker = Worker(server, worker_id, build_model, accumulate=accumulate,
@@ -205,7 +273,19 @@ def _worker_task(server, worker_id, build_model, batches, accumulate, model_kwar
     except BaseException:
         server.unregister(worker_id)      # let sync rounds go on without it
         raise
-    return worker.run(batches)
+    start = None if barrier is None else (lambda: barrier(worker_id))
+    return worker.run(batches, start=start)
+
+
+def _release_when_ready(distributed, client, ids, futures, barrier):
+    """Set the start event once every trainer has reported ready (or failed)."""
+    waiting = dict(zip(ids, futures))
+    while waiting:
+        for wid, f in list(waiting.items()):
+            if f.status in ("error", "cancelled") or \
+                    distributed.Event(barrier.ready_event(wid), client=client).wait(0.05):
+                del waiting[wid]
+    distributed.Event(f"{barrier.tag}-go", client=client).set()
 
 
 def run_dask(server, client, build_model, worker_batches, *, accumulate=1, model_kwargs=None,
@@ -225,12 +305,17 @@ def run_dask(server, client, build_model, worker_batches, *, accumulate=1, model
     addresses = sorted(client.scheduler_info()["workers"])
     for wid in ids:          # every worker is live before the first round opens
         server.register(wid)
+    barrier = None
+    if sum(client.nthreads().values()) >= len(ids):     # all trainers run at once
+        barrier = _StartBarrier(f"lasagne-{uuid.uuid4().hex[:8]}")
     futures = [client.submit(_worker_task, server, wid, build_model, batches, accumulate,
-                             model_kwargs, compile_mode, pure=False,
+                             model_kwargs, compile_mode, barrier, pure=False,
                              workers=[addresses[k % len(addresses)]])
                for k, (wid, batches) in enumerate(zip(ids, worker_batches))]
     history = []
     try:
+        if barrier is not None:
+            _release_when_ready(distributed, client, ids, futures, barrier)
         if snapshot_interval:
             due = time.monotonic() + snapshot_interval
             while not all(f.done() for f in futures):

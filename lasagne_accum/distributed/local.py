@@ -68,12 +68,20 @@ def run_local(server, build_model, worker_batches, *, accumulate=1, model_kwargs
         server.register(wid)
     reports = [None] * len(ids)
     errors = [None] * len(ids)
+    barrier = threading.Barrier(len(ids))
+
+    def start():                 # timed training starts together (after JIT warm-up)
+        try:
+            barrier.wait()
+        except threading.BrokenBarrierError:   # a worker failed before it: go on
+            pass
 
     def target(k):
         try:
-            reports[k] = workers[k].run(worker_batches[k])
+            reports[k] = workers[k].run(worker_batches[k], start=start)
         except BaseException as exc:     # reported after the others finish
             errors[k] = exc
+            barrier.abort()
 
     threads = [threading.Thread(target=target, args=(k,), name=f"lasagne-{wid}", daemon=True)
                for k, wid in enumerate(ids)]
