@@ -28,8 +28,10 @@ def _host(value):
 class _SwappableAverage:
     """apply()/restore() over averages computed by a subclass's `_averages()`."""
 
-    def __init__(self, params, updates, name):
+    def __init__(self, params, updates, name, host_mode=None):
         self.params = check_params(params)
+        self.host_mode = host_mode
+        self._host_fn = None
         if not self.params:
             raise ValueError(f"{type(self).__name__} needs at least one parameter")
         self.name = name
@@ -47,6 +49,45 @@ class _SwappableAverage:
         # parameter as it is when the function is called.
         self._values = [updates[p] if updates is not None else p for p in self.params]
         self._is_step = getattr(updates, "is_step", None)
+        if host_mode is not None:
+            if updates is not None:
+                raise ValueError(
+                    f"{type(self).__name__}: with host_mode the average is advanced by "
+                    "step() after each optimizer step; do not pass updates"
+                )
+            # The buffers are updated by a function of their own, compiled for
+            # the CPU, that takes the parameters' values as inputs.
+            self._values = [p.type(name=f"{param_label(p, i)}.value")
+                            for i, p in enumerate(self.params)]
+
+    def _finish(self, updates):
+        """Gate the updates, or compile them into the host function."""
+        if self.host_mode is None:
+            return self._gate(updates)
+        import pytensor
+
+        self._host_fn = pytensor.function(self._values, [], updates=updates,
+                                          mode=self.host_mode)
+        return OrderedDict()
+
+    def step(self):
+        """Advance the average by one optimizer step (only with `host_mode`).
+
+        Copies the parameters' current values to the host and updates the
+        buffers there: one device-to-host copy of the parameters per step, in
+        exchange for keeping the buffers out of the accelerator's memory.
+
+        Raises
+        ------
+        RuntimeError
+            Without `host_mode` (merge ``.updates`` instead).
+        """
+        if self._host_fn is None:
+            raise RuntimeError(
+                f"{self.name}: step() is for host_mode; otherwise merge .updates into "
+                "the function that takes the optimizer step"
+            )
+        self._host_fn(*[_host(p.get_value(borrow=True)) for p in self.params])
 
     def _gate(self, updates):
         """Keep everything unchanged on calls that take no optimizer step."""
@@ -170,6 +211,13 @@ class ModelAverage(_SwappableAverage):
     sum_dtype : str
         dtype of the sums, default float64: with float32 sums the average of a
         long window drifts by about 1e-4 relative (see Notes).
+    host_mode : str, optional
+        Keep the three sums in host memory when the model is compiled for an
+        accelerator (``mode="JAX"`` on a GPU): give a CPU mode (``"NUMBA"`` or
+        ``"CVM"``), leave ``.updates`` out of the training function (it is
+        empty) and call :meth:`step` after each optimizer step. Costs one
+        device-to-host copy of the parameters per step; saves three
+        parameter-sized buffers on the device.
     name : str
         Prefix of the counters' names and of error messages.
 
@@ -238,8 +286,8 @@ class ModelAverage(_SwappableAverage):
 
     def __init__(self, params, average_window_rate, min_average_window=10000,
                  max_average_window=10000, *, max_num_accumulates=16384, updates=None,
-                 sum_dtype="float64", name="model_average"):
-        super().__init__(params, updates, name)
+                 sum_dtype="float64", host_mode=None, name="model_average"):
+        super().__init__(params, updates, name, host_mode)
         rate = float(average_window_rate)
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"average_window_rate must be in [0, 1], got {average_window_rate}")
@@ -267,7 +315,7 @@ class ModelAverage(_SwappableAverage):
         self.old_num_accumulates = scalar_state(f"{name}.old_num_accumulates", "int64")
         self.sums = [tuple(state_like(p, f"{name}_sum_{k}", i, dtype=sum_dtype)
                            for k in (1, 2, 3)) for i, p in enumerate(self.params)]
-        self.updates = self._gate(self._build())
+        self.updates = self._finish(self._build())
 
     def _build(self):
         nu = self.num_updates + 1
@@ -330,6 +378,9 @@ class ExponentialMovingAverage(_SwappableAverage):
     shadow_dtype : str, optional
         dtype of the shadow variables; default float32 at least, the param's
         otherwise.
+    host_mode : str, optional
+        Keep the shadows in host memory and advance them with :meth:`step`
+        (see :class:`ModelAverage`).
     name : str
         Prefix of the counter's name.
 
@@ -355,8 +406,8 @@ class ExponentialMovingAverage(_SwappableAverage):
     """
 
     def __init__(self, params, decay=0.999, *, warmup=False, updates=None, shadow_dtype=None,
-                 name="ema"):
-        super().__init__(params, updates, name)
+                 host_mode=None, name="ema"):
+        super().__init__(params, updates, name, host_mode)
         self.num_updates = scalar_state(f"{name}.num_updates", "int64")
         self.shadows = []
         for i, p in enumerate(self.params):
@@ -374,7 +425,7 @@ class ExponentialMovingAverage(_SwappableAverage):
                 d = pt.minimum(d, (1 + tf) / (10 + tf))
             updates_out[shadow] = d * shadow + (1 - d) * pt.cast(value, dtype)
         updates_out[self.num_updates] = t
-        self.updates = self._gate(updates_out)
+        self.updates = self._finish(updates_out)
 
     def _averages(self):
         return [_host(s.get_value(borrow=True)) for s in self.shadows]

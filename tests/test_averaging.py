@@ -596,3 +596,34 @@ def test_ema_gated_by_single_function_steps(variant, warmup):
         got = ema.averages()
         np.testing.assert_allclose(got[0], shadows[0], rtol=1e-12, atol=1e-13)
         np.testing.assert_allclose(got[1], shadows[1], rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------
+# host_mode: buffers kept in host memory, advanced by step()
+# --------------------------------------------------------------------------
+
+
+def test_host_mode_keeps_buffers_on_host_and_matches_reference():
+    w = shared(np.array([0.0, 10.0]), "w_host")
+    ma = ModelAverage([w], 0.5, 2, 4, host_mode="NUMBA")
+    ema = ExponentialMovingAverage([w], 0.5, host_mode="CVM")
+    assert ma.updates == {} and ema.updates == {}
+    step = pytensor.function([], [], updates={w: w + 1}, mode="CVM")
+    for _ in range(3):  # the values averaged: w before each step = 0, 1, 2 (+10)
+        ma.step()
+        ema.step()
+        step()
+    assert all(isinstance(s.get_value(borrow=True), np.ndarray) for s in ma.sums[0])
+    with ma.apply():  # windows close at t = 2: (0 + 1 + 2) / 3
+        np.testing.assert_allclose(w.get_value(), [1.0, 11.0])
+    with ema.apply():  # 0 -> 0 -> 0.5 -> 1.25 (shadow starts at the initial value)
+        np.testing.assert_allclose(w.get_value(), [1.25, 11.25])
+    np.testing.assert_array_equal(w.get_value(), [3.0, 13.0])
+
+
+def test_host_mode_refuses_updates_and_step_needs_host_mode():
+    w = shared(np.zeros(2), "w_host2")
+    with pytest.raises(ValueError, match="host_mode"):
+        ModelAverage([w], 0.5, 2, 4, host_mode="NUMBA", updates={w: w + 1})
+    with pytest.raises(RuntimeError, match="host_mode"):
+        ModelAverage([w], 0.5, 2, 4).step()
