@@ -49,13 +49,20 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv with $PYTHON" >&2
   "$PYTHON" -m venv .venv
 fi
-stamp=".venv/.lasagne_accum-installed"
-want="$(cat setup.cfg pyproject.toml | sha1sum | cut -d' ' -f1) $EXTRAS"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "setup: installing lasagne_accum[$EXTRAS] into .venv" >&2
-  .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-  .venv/bin/python -m pip install -q -e ".[$EXTRAS]"
-  echo "$want" > "$stamp"
+stamp=".venv/.lasagne_accum-installed"   # line 1: hash of the package metadata; line 2: extras
+meta="$(cat setup.cfg pyproject.toml | sha1sum | cut -d' ' -f1)"
+have_meta="$(sed -n 1p "$stamp" 2>/dev/null || true)"
+have_extras="$(sed -n 2p "$stamp" 2>/dev/null || true)"
+missing=""
+for extra in ${EXTRAS//,/ }; do
+  case ",$have_extras," in *",$extra,"*) ;; *) missing="$missing $extra" ;; esac
+done
+if [ "$have_meta" != "$meta" ] || [ -n "$missing" ]; then
+  [ "$have_meta" = "$meta" ] || have_extras=""
+  all="$(echo "$have_extras,$EXTRAS" | tr ',' '\n' | sed '/^$/d' | sort -u | paste -sd, -)"
+  echo "setup: installing lasagne_accum[$all] into .venv" >&2
+  .venv/bin/python -m pip install -q -e ".[$all]"
+  printf '%s\n%s\n' "$meta" "$all" > "$stamp"
 fi
 
 # --- check the backend -----------------------------------------------------
