@@ -1,0 +1,148 @@
+#!/usr/bin/env python
+"""Parameter-server throughput and time to a target loss on the digits MLP.
+
+Two tables (Markdown):
+
+1. sync vs async, 1 vs 2 workers, local (threads) vs dask (a loopback
+   LocalCluster of 2 processes): pushes per second during training (compiling
+   excluded), optimizer steps, and the seconds until the full training-set
+   loss first drops below ``--target`` (from snapshots of the server's
+   parameters taken every ``--snapshot`` seconds while training runs, scored
+   afterwards).
+2. local accumulation: gradient bytes pushed per training example, and the
+   pushes, for N = 1, 4, 16 batches accumulated per push.
+
+    python benchmarks/distributed.py            # < 5 minutes
+    python benchmarks/distributed.py --quick    # < 90 seconds
+
+The model is ``examples/distributed_digits.py``'s 64-64-10 ReLU MLP, float32,
+batch 32, Adam; PyTensor's default compile modes. Times are wall clock on a
+shared machine: compare within a run.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import pytensor
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# this file is called distributed.py: keep `import distributed` meaning Dask's package
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+
+from distributed_digits import build_model, load_digits, mlp, worker_batches  # noqa: E402
+
+from lasagne_accum import adam  # noqa: E402
+from lasagne_accum.distributed import train  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    p.add_argument("--quick", action="store_true", help="fewer epochs (< 90 s)")
+    p.add_argument("--epochs", type=int, default=None, help="default 10 (quick: 5)")
+    p.add_argument("--target", type=float, default=None,
+                   help="target training loss (default 0.3; quick: 0.4)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--snapshot", type=float, nargs=2, default=(0.02, 0.25),
+                   metavar=("LOCAL", "DASK"),
+                   help="seconds between snapshots, local and dask (default 0.02 0.25: each "
+                        "snapshot is a pull, which costs more through Dask)")
+    p.add_argument("--repeat", type=int, default=None,
+                   help="runs per local configuration, median reported (default 3; quick: "
+                        "1); dask runs one fewer")
+    p.add_argument("--no-dask", action="store_true", help="local backend only")
+    args = p.parse_args(argv)
+    args.epochs = args.epochs or (5 if args.quick else 10)
+    args.target = args.target or (0.4 if args.quick else 0.3)
+    args.repeat = args.repeat or (1 if args.quick else 3)
+    return args
+
+
+def scorer(X, y):
+    """``loss(params)`` on the whole training set, with a model of our own."""
+    (x, yv), params, loss, _ = mlp()
+    fn = pytensor.function([x, yv], loss)
+
+    def score(values):
+        for p in params:
+            p.set_value(values[p.name])
+        return float(fn(X, y))
+
+    return score
+
+
+def time_to_target(result, score, target):
+    t0 = result.t_start
+    for t, _, params in result.history:
+        if t >= t0 and score(params) <= target:
+            return t - t0
+    return float("nan")
+
+
+def run(args, X, y, score, backend, mode, workers, client=None, accumulate=1, epochs=None,
+        snapshot=None):
+    data = worker_batches(X, y, workers, args.batch_size, epochs or args.epochs, seed=0)
+    r = train(build_model, data, adam, dict(learning_rate=args.lr), mode=mode, backend=backend,
+              accumulate=accumulate, client=client, snapshot_interval=snapshot)
+    return r
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    start = time.perf_counter()
+    X, y, _, _ = load_digits(0)
+    score = scorer(X, y)
+    rows = []
+
+    def measure(backend, client=None):
+        repeat = args.repeat if backend == "local" else max(1, args.repeat - 1)
+        snapshot = args.snapshot[backend == "dask"]
+        for mode in ("sync", "async"):
+            for workers in (1, 2):
+                runs = [run(args, X, y, score, backend, mode, workers, client=client,
+                            snapshot=snapshot) for _ in range(repeat)]
+                runs.sort(key=lambda r: r.pushes_per_second)
+                r = runs[len(runs) // 2]                      # the median run
+                rows.append((backend, mode, workers, r.pushes_per_second, r.version[0],
+                             time_to_target(r, score, args.target), r.elapsed,
+                             score(r.params)))
+                print(f"  {backend} {mode} {workers}: {r.pushes_per_second:.0f} pushes/s",
+                      file=sys.stderr, flush=True)
+
+    measure("local")
+    if not args.no_dask:
+        from lasagne_accum.distributed.dask import local_cluster
+
+        with local_cluster(2) as client:
+            measure("dask", client)
+
+    comm = []
+    for n in (1, 4, 16):
+        r = run(args, X, y, score, "local", "async", 1, accumulate=n,
+                epochs=max(1, args.epochs // 2))
+        comm.append((n, r.bytes_per_example, r.pushes, r.examples, score(r.params)))
+
+    print(f"\nDigits MLP 64-64-10 (float32), batch {args.batch_size}, Adam lr {args.lr}, "
+          f"{args.epochs} epochs split over the workers; target training loss {args.target}.\n")
+    print("| backend | mode | workers | pushes/s | optimizer steps | s to target loss | "
+          "training s | final train loss |")
+    print("|---|---|---|---|---|---|---|---|")
+    for backend, mode, workers, pps, steps, ttt, elapsed, final in rows:
+        ttt = f"{ttt:.2f}" if np.isfinite(ttt) else "not reached"
+        print(f"| {backend} | {mode} | {workers} | {pps:.0f} | {steps} | {ttt} | "
+              f"{elapsed:.2f} | {final:.3f} |")
+    print(f"\nLocal accumulation (1 worker, async, {max(1, args.epochs // 2)} epochs):\n")
+    print("| N batches per push | bytes pushed per example | pushes | examples | "
+          "final train loss |")
+    print("|---|---|---|---|---|")
+    for n, bpe, pushes, examples, final in comm:
+        print(f"| {n} | {bpe:.1f} | {pushes} | {examples:.0f} | {final:.3f} |")
+    print(f"\n(total {time.perf_counter() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

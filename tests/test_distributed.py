@@ -1,0 +1,611 @@
+"""Tests of lasagne_accum.distributed: the parameter server, its modes and backends.
+
+Independent references:
+
+* exactly once: the serial numpy application of the same SGD pushes
+  (integer-valued gradients, so any order gives the same bits; and random
+  ones replayed in the server's recorded arrival order);
+* sync mode: one step of the plain rule compiled single-process on the
+  concatenation of every worker's batches of the round (float64, 1e-10);
+* checkpoints: an uninterrupted run of the same training.
+
+The Dask tests share one loopback ``LocalCluster`` (2 processes) per module,
+started by a fixture that closes it, and are skipped when ``distributed`` is
+not installed.
+"""
+
+import importlib.util
+import threading
+import time
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+
+from lasagne_accum import adam, momentum, sgd
+from lasagne_accum.distributed import (
+    ParameterServer,
+    PushRejected,
+    RoundTimeoutError,
+    StalePushError,
+    UnknownWorkerError,
+    Worker,
+    train,
+)
+
+HAVE_DASK = importlib.util.find_spec("distributed") is not None
+needs_dask = pytest.mark.skipif(not HAVE_DASK, reason="needs dask[distributed]")
+TOL = dict(rtol=1e-10, atol=1e-13)
+N_IN, N_HID, N_OUT = 4, 5, 3
+
+
+# ------------------------------------------------------------------ model, data
+
+
+def build_model(seed=0):
+    """A float64 tanh MLP, squared error averaged over examples (module level: picklable)."""
+    rng = np.random.RandomState(seed)
+    W1 = pytensor.shared(0.5 * rng.randn(N_IN, N_HID), name="W1")
+    b1 = pytensor.shared(0.1 * rng.randn(N_HID), name="b1")
+    W2 = pytensor.shared(0.5 * rng.randn(N_HID, N_OUT), name="W2")
+    b2 = pytensor.shared(np.zeros(N_OUT), name="b2")
+    x, y = pt.matrix("x"), pt.matrix("y")
+    pred = pt.tanh(x @ W1 + b1) @ W2 + b2
+    loss = pt.mean(pt.sum((pred - y) ** 2, axis=1))
+    return [x, y], loss, [W1, b1, W2, b2]
+
+
+def batches_for(seed, sizes):
+    rng = np.random.default_rng(seed)
+    return [(rng.normal(size=(n, N_IN)), rng.normal(size=(n, N_OUT))) for n in sizes]
+
+
+def reference_sync(rule, rule_kwargs, worker_batches, accumulate, schedule=None):
+    """Single process: one plain rule step per round on the concatenated batches."""
+    inputs, loss, params = build_model()
+    lr = pytensor.shared(np.float64(0.0), name="lr")
+    kwargs = dict(rule_kwargs)
+    if schedule is not None:
+        kwargs["learning_rate"] = lr
+    step = pytensor.function(inputs, loss, updates=rule(loss, params, **kwargs))
+    rounds = max(-(-len(b) // accumulate) for b in worker_batches)
+    for r in range(rounds):
+        part = [b for wb in worker_batches for b in wb[r * accumulate:(r + 1) * accumulate]]
+        if schedule is not None:
+            lr.set_value(np.float64(schedule(r)))
+        step(np.concatenate([p[0] for p in part]), np.concatenate([p[1] for p in part]))
+    return {p.name: p.get_value() for p in params}
+
+
+def state_of(server):
+    return {n: np.array(a) for n, a in server.state().items()}
+
+
+def assert_same_state(a, b):
+    assert list(a) == list(b)
+    for n in a:
+        np.testing.assert_array_equal(a[n], b[n], err_msg=n)
+
+
+# ------------------------------------------------------------------ exactly once
+
+
+def _hammer(server, wid, grads, record):
+    for seq, g in enumerate(grads):
+        version, _ = server.pull()
+        result = server.push(wid, seq, g, version=version)
+        record.append(result)
+
+
+def test_async_exactly_once_under_threads_integer_grads():
+    """8 threads x 25 pushes, 8 times on one server: every push applied exactly once."""
+    K, M, REPEATS = 8, 25, 8
+    p0 = {"w": np.zeros(6), "v": np.zeros((2, 3))}
+    server = ParameterServer(p0, sgd, dict(learning_rate=1.0), mode="async")
+    rng = np.random.default_rng(0)
+    expected = {n: a.copy() for n, a in p0.items()}
+    for rep in range(REPEATS):
+        grads = {k: [{n: rng.integers(-5, 6, size=a.shape).astype(float) for n, a in p0.items()}
+                     for _ in range(M)] for k in range(K)}
+        ids = [f"r{rep}w{k}" for k in range(K)]
+        for wid in ids:
+            server.register(wid)
+        records = {k: [] for k in range(K)}
+        threads = [threading.Thread(target=_hammer, args=(server, ids[k], grads[k], records[k]))
+                   for k in range(K)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for k in range(K):
+            assert len(records[k]) == M
+            assert all(r["applied"] and not r["duplicate"] for r in records[k])
+            for g in grads[k]:
+                for n in expected:
+                    expected[n] -= g[n]
+        stats = server.stats()
+        assert stats["applied"] == (rep + 1) * K * M
+        assert stats["version"] == ((rep + 1) * K * M,) * 2
+        assert stats["duplicates"] == 0 and stats["rejected"] == 0
+        _, params = server.pull()
+        for n in expected:
+            np.testing.assert_array_equal(params[n], expected[n])
+
+
+def test_async_arrival_order_replay_float_grads():
+    """Random float gradients: the parameters equal the serial replay in arrival order."""
+    K, M, lr = 8, 20, 0.1
+    rng = np.random.default_rng(1)
+    p0 = {"w": rng.normal(size=5), "v": rng.normal(size=(3, 2))}
+    server = ParameterServer(p0, sgd, dict(learning_rate=lr), mode="async", keep_log=True)
+    grads = {f"w{k}": [{n: rng.normal(size=a.shape) for n, a in p0.items()} for _ in range(M)]
+             for k in range(K)}
+    for wid in grads:
+        server.register(wid)
+    threads = [threading.Thread(target=_hammer, args=(server, wid, grads[wid], []))
+               for wid in grads]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stats = server.stats()
+    assert stats["applied"] == K * M
+    _, params = server.pull()
+    for name in p0:
+        log = stats["shards"][name]["log"]
+        assert sorted((w, s) for w, s, _ in log) == sorted(
+            (w, s) for w in grads for s in range(M))          # each push once
+        value = p0[name].copy()
+        for wid, seq, _ in log:
+            value = value - lr * grads[wid][seq][name]
+        np.testing.assert_allclose(params[name], value, rtol=1e-15, atol=1e-15)
+    hist = stats["staleness"]
+    assert sum(hist.values()) == 2 * K * M                   # two shards
+
+
+def test_retried_push_is_applied_once_async():
+    server = ParameterServer({"w": np.zeros(3)}, sgd, dict(learning_rate=1.0), mode="async")
+    version, _ = server.register("a")
+    g = {"w": np.array([1.0, 2.0, 3.0])}
+    first = server.push("a", 7, g, version=version)
+    again = server.push("a", 7, g, version=version)
+    assert first["applied"] and not first["duplicate"]
+    assert again["duplicate"] and not again["applied"]
+    assert server.pull()[1]["w"].tolist() == [-1.0, -2.0, -3.0]
+    server.push("a", 3, g, version=version)                  # an older, unseen seq is fine
+    assert server.push("a", 3, g, version=version)["duplicate"]
+    stats = server.stats()
+    assert stats["applied"] == 2 and stats["duplicates"] == 2
+
+
+def test_retried_push_is_applied_once_sync():
+    server = ParameterServer({"w": np.zeros(2)}, sgd, dict(learning_rate=1.0), mode="sync")
+    for w in "ab":
+        server.register(w)
+    ga, gb = {"w": np.array([1.0, 0.0])}, {"w": np.array([0.0, 3.0])}
+    pending = server.push("a", 0, ga, weight=1, version=(0,), wait=False)
+    retry = server.push("a", 0, ga, weight=1, version=(0,), wait=False)
+    assert not pending["applied"] and retry["duplicate"]
+    server.push("b", 0, gb, weight=2, version=(0,))
+    late_retry = server.push("a", 0, ga, weight=1, version=(0,))   # after the round closed
+    assert late_retry["duplicate"]
+    np.testing.assert_allclose(server.pull()[1]["w"], -(np.array([1.0, 6.0]) / 3))
+    assert server.stats()["applied"] == 2 and server.stats()["version"] == (1,)
+
+
+# ------------------------------------------------------------------ sync = large batch
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_sync_equals_single_process_large_batch(accumulate):
+    """3 workers, batches of different sizes, a split Adam: the large-batch Adam, exactly."""
+    sizes = [[5, 3, 4, 6, 2, 5], [7, 2, 2, 5, 4, 1], [4, 4, 6, 3, 3, 2]]
+    worker_batches = [batches_for(10 + k, s) for k, s in enumerate(sizes)]
+    result = train(build_model, worker_batches, adam, dict(learning_rate=0.05), mode="sync",
+                   accumulate=accumulate, compile_mode="CVM")
+    expected = reference_sync(adam, dict(learning_rate=0.05), worker_batches, accumulate)
+    rounds = 6 // accumulate
+    assert result.version == (rounds,) * 4
+    assert result.stats["applied"] == 3 * rounds
+    for name, value in expected.items():
+        np.testing.assert_allclose(result.params[name], value, **TOL, err_msg=name)
+    state = result.server.state()
+    for name in expected:                                   # one step counter per shard
+        assert state[f"{name}/adam.t"] == rounds
+
+
+def test_sync_schedule_and_uneven_workers():
+    """A learning-rate schedule(step), and a worker that runs out of batches early."""
+    worker_batches = [batches_for(20, [4, 4, 4, 4]), batches_for(21, [3, 5])]
+    schedule = lambda step: 0.1 / (1 + step)                 # noqa: E731
+    result = train(build_model, worker_batches, momentum, dict(learning_rate=schedule),
+                   mode="sync", compile_mode="CVM")
+    expected = reference_sync(momentum, dict(learning_rate=None), worker_batches, 1,
+                              schedule=schedule)
+    for name, value in expected.items():
+        np.testing.assert_allclose(result.params[name], value, **TOL, err_msg=name)
+
+
+def test_sync_merge_sum():
+    server = ParameterServer({"w": np.zeros(2)}, sgd, dict(learning_rate=0.5), mode="sync",
+                             merge="sum")
+    for w in "ab":
+        server.register(w)
+    server.push("a", 0, {"w": np.array([1.0, 2.0])}, weight=10, version=(0,), wait=False)
+    server.push("b", 0, {"w": np.array([3.0, 4.0])}, weight=1, version=(0,))
+    np.testing.assert_array_equal(server.pull()[1]["w"], [-2.0, -3.0])
+
+
+# ------------------------------------------------------------------ dead workers
+
+
+def _three_worker_server(on_timeout):
+    server = ParameterServer({"w": np.zeros(2)}, sgd, dict(learning_rate=1.0), mode="sync",
+                             round_timeout=1.0, on_timeout=on_timeout)
+    for w in ("a", "b", "dead"):
+        server.register(w)
+    return server
+
+
+def _push_in_threads(server, pushes):
+    out, threads = {}, []
+    for wid, seq, g, weight, version in pushes:
+        def run(wid=wid, seq=seq, g=g, weight=weight, version=version):
+            try:
+                out[wid] = server.push(wid, seq, {"w": g}, weight=weight, version=version)
+            except Exception as exc:
+                out[wid] = exc
+        threads.append(threading.Thread(target=run))
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    return out, time.monotonic() - start
+
+
+def test_sync_dead_worker_round_closes_after_timeout():
+    server = _three_worker_server("close")
+    ga, gb = np.array([1.0, 0.0]), np.array([0.0, 4.0])
+    out, elapsed = _push_in_threads(server, [("a", 0, ga, 1.0, (0,)), ("b", 0, gb, 3.0, (0,))])
+    assert 0.95 < elapsed < 10
+    info = out["a"]["shards"]["w"]
+    assert info["timed_out"] and info["dropped"] == ["dead"] and info["workers"] == ["a", "b"]
+    np.testing.assert_allclose(server.pull()[1]["w"], -(ga * 1 + gb * 3) / 4)
+    # the server keeps serving: the next round closes with the live workers at once
+    out, elapsed = _push_in_threads(server, [("a", 1, ga, 1.0, (1,)), ("b", 1, gb, 1.0, (1,))])
+    assert elapsed < 0.9 and not out["a"]["shards"]["w"]["timed_out"]
+    assert server.stats()["version"] == (2,)
+    with pytest.raises(UnknownWorkerError, match="dropped after missing the timeout"):
+        server.push("dead", 0, {"w": ga}, version=(0,))
+    server.register("dead")                                 # and may come back
+    assert "dead" in server.stats()["live_workers"]
+
+
+def test_sync_dead_worker_round_fails_with_clear_error():
+    server = _three_worker_server("fail")
+    before = state_of(server)
+    ga, gb = np.array([1.0, 0.0]), np.array([0.0, 4.0])
+    out, _ = _push_in_threads(server, [("a", 0, ga, 1.0, (0,)), ("b", 0, gb, 1.0, (0,))])
+    for w in "ab":
+        assert isinstance(out[w], RoundTimeoutError)
+        assert "'dead'" in str(out[w]) and "timed out" in str(out[w])
+    assert_same_state(state_of(server), before)                # nothing applied
+    assert server.stats()["live_workers"] == ["a", "b"]
+    # still serving: the same pushes (same ids: they were not applied) go through
+    out, elapsed = _push_in_threads(server, [("a", 0, ga, 1.0, (0,)), ("b", 0, gb, 1.0, (0,))])
+    assert elapsed < 0.9 and out["a"]["applied"]
+    np.testing.assert_allclose(server.pull()[1]["w"], -(ga + gb) / 2)
+
+
+def _failing_batches(batches, after):
+    for i, b in enumerate(batches):
+        if i == after:
+            raise RuntimeError("simulated crash")
+        yield b
+
+
+def test_train_worker_crash_mid_training():
+    """A worker that raises unregisters; the others finish; train() names it."""
+    good = batches_for(30, [4] * 5)
+    server = ParameterServer({p.name: p.get_value() for p in build_model()[2]}, sgd,
+                             dict(learning_rate=0.1), mode="sync", compile_mode="CVM")
+    with pytest.raises(RuntimeError, match="worker 'worker1' failed.*simulated crash"):
+        train(build_model, [good, _failing_batches(batches_for(31, [4] * 5), 2)], None,
+              server=server, compile_mode="CVM")
+    stats = server.stats()
+    assert stats["version"] == (5,) * 4                     # worker0 trained to the end
+    assert stats["applied"] == 2 * 2 + 3                    # worker1 pushed twice, then died
+    assert stats["live_workers"] == []
+
+
+# ------------------------------------------------------------------ async options
+
+
+def test_async_staleness_scale():
+    server = ParameterServer({"w": np.zeros(1)}, sgd, dict(learning_rate=1.0), mode="async",
+                             staleness_scale=True)
+    version, _ = server.register("a")
+    server.register("b")
+    results = [server.push(w, 0, {"w": np.array([g])}, version=version)
+               for w, g in (("a", 1.0), ("b", 4.0))]
+    server.register("c")
+    results.append(server.push("c", 0, {"w": np.array([8.0])}, version=version))
+    assert [r["staleness"] for r in results] == [0, 1, 2]
+    assert server.pull()[1]["w"][0] == -(1.0 + 4.0 + 8.0 / 2)
+    assert server.stats()["staleness"] == {0: 1, 1: 1, 2: 1}
+
+
+def test_async_learning_rate_schedule_and_shared_rate():
+    server = ParameterServer({"w": np.zeros(1)}, sgd,
+                             dict(learning_rate=lambda step: 1.0 / (1 + step)), mode="async")
+    v, _ = server.register("a")
+    for seq in range(4):
+        v = server.push("a", seq, {"w": np.ones(1)}, version=v)["version"]
+    assert server.pull()[1]["w"][0] == pytest.approx(-(1 + 1 / 2 + 1 / 3 + 1 / 4), abs=1e-15)
+
+    lr = pytensor.shared(np.float64(1.0), name="lr")
+    server = ParameterServer({"w": np.zeros(1)}, sgd, dict(learning_rate=lr), mode="async",
+                             staleness_scale=True)
+    v0, _ = server.register("a")
+    server.push("a", 0, {"w": np.ones(1)}, version=v0)
+    lr.set_value(np.float64(0.5))
+    server.push("a", 1, {"w": np.ones(1)}, version=v0)       # stale by 1
+    server.push("a", 2, {"w": np.ones(1)}, version=v0)       # stale by 2: halved
+    assert server.pull()[1]["w"][0] == -(1.0 + 0.5 + 0.25)
+
+
+def test_partial_push_to_named_shards_async():
+    server = ParameterServer({"w": np.zeros(2), "b": np.zeros(1)}, sgd,
+                             dict(learning_rate=1.0), mode="async")
+    v, _ = server.register("a")
+    r = server.push("a", 0, {"b": np.ones(1)}, version=v, shards=["b"], pull=True)
+    assert r["version"] == (None, 1) and set(r["params"]) == {"b"}
+    version, params = server.pull(shards=["b"])
+    assert version == (None, 1) and list(params) == ["b"] and params["b"].tolist() == [-1.0]
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_checkpoint_resume_same_result(tmp_path, mode):
+    """Epoch 1, save, a fresh server loads it, epoch 2 == two epochs without a stop."""
+    schedule = lambda step: 0.05 * 0.9 ** step               # noqa: E731
+    epoch = [batches_for(40, [4, 6, 5, 3]), batches_for(41, [5, 5, 2, 4])]
+    if mode == "async":
+        epoch = epoch[:1]                                    # one worker: a determined order
+    kw = dict(mode=mode, compile_mode="CVM")
+    straight = train(build_model, [b + b for b in epoch], adam,
+                     dict(learning_rate=schedule), **kw)
+    path = tmp_path / "server.npz"
+    first = train(build_model, epoch, adam, dict(learning_rate=schedule), checkpoint_to=path,
+                  **kw)
+    names = np.load(path).files
+    assert "W1" in names and "W1.adam_m" in names and "W1/adam.t" in names \
+        and "W1/counters" in names
+    resumed = train(build_model, epoch, adam, dict(learning_rate=schedule), resume_from=path,
+                    **kw)
+    assert first.version == tuple(v // 2 for v in straight.version)
+    assert resumed.version == straight.version
+    assert resumed.stats["applied"] == straight.stats["applied"]
+    for name, value in straight.params.items():
+        np.testing.assert_allclose(resumed.params[name], value, rtol=1e-13, atol=1e-15)
+    a, b = state_of(resumed.server), state_of(straight.server)
+    assert list(a) == list(b)
+    for name in a:                                           # rule state and counters too
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-13, atol=1e-15, err_msg=name)
+
+
+def test_checkpoint_mismatch_loads_nothing(tmp_path):
+    a = ParameterServer({"w": np.zeros(2)}, adam, mode="async")
+    path = tmp_path / "a.npz"
+    a.save(path)
+    b = ParameterServer({"w": np.ones(3)}, adam, mode="async")
+    before = state_of(b)
+    with pytest.raises(ValueError, match="nothing was loaded"):
+        b.load(path)
+    assert_same_state(state_of(b), before)
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.fixture
+def served():
+    server = ParameterServer({"w": np.zeros((2, 3)), "b": np.zeros(3, dtype="float32")}, adam,
+                             dict(learning_rate=0.1), mode="async")
+    version, _ = server.register("good")
+    server.push("good", 0, {"w": np.ones((2, 3)), "b": np.ones(3, "float32")}, version=version)
+    return server
+
+
+GOOD = {"w": np.ones((2, 3)), "b": np.ones(3, "float32")}
+BAD_PUSHES = {
+    "wrong shape": (dict(grads={"w": np.ones((3, 2)), "b": GOOD["b"]}), "shape"),
+    "wrong dtype": (dict(grads={"w": GOOD["w"], "b": np.ones(3)}), "dtype float64"),
+    "unknown param": (dict(grads=dict(GOOD, extra=np.ones(1))), "unknown parameter name"),
+    "missing param": (dict(grads={"w": GOOD["w"]}), "no gradient for 'b'"),
+    "not an array": (dict(grads={"w": [[1.0] * 3] * 2, "b": GOOD["b"]}), "not a numpy array"),
+    "nan": (dict(grads={"w": np.full((2, 3), np.nan), "b": GOOD["b"]}), "NaN"),
+    "unknown shard": (dict(shards=["nope"]), "unknown shard 'nope'"),
+    "unregistered worker": (dict(worker="stranger"), "not registered"),
+    "bad weight": (dict(weight=0.0), "weight must be"),
+    "bad seq": (dict(seq=-1), "seq must be"),
+    "bad version": (dict(version=(1,)), "version must be the tuple"),
+    "future version": (dict(version=(5, 5)), "does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PUSHES))
+def test_bad_push_rejected_state_untouched(served, case):
+    kwargs, message = BAD_PUSHES[case]
+    before, stats = state_of(served), served.stats()
+    call = dict(worker="good", seq=1, grads=GOOD, weight=1.0, version=(1, 1))
+    call.update(kwargs)
+    with pytest.raises(PushRejected, match=message):
+        served.push(call.pop("worker"), call.pop("seq"), call.pop("grads"), **call)
+    assert_same_state(state_of(served), before)
+    after = served.stats()
+    assert (after["applied"], after["version"]) == (stats["applied"], stats["version"])
+
+
+def test_bad_pull_and_errors_are_specific(served):
+    with pytest.raises(PushRejected, match="unknown shard"):
+        served.pull(shards=["nope"])
+    with pytest.raises(UnknownWorkerError):
+        served.push("stranger", 0, GOOD, version=(1, 1))
+
+
+def test_sync_rejects_stale_and_partial_pushes():
+    server = ParameterServer({"w": np.zeros(2), "b": np.zeros(1)}, sgd,
+                             dict(learning_rate=1.0), mode="sync")
+    server.register("a")
+    g = {"w": np.ones(2), "b": np.ones(1)}
+    server.push("a", 0, g, version=(0, 0))
+    with pytest.raises(StalePushError, match="pull"):
+        server.push("a", 1, g, version=(0, 0))
+    with pytest.raises(PushRejected, match="every shard"):
+        server.push("a", 1, {"b": np.ones(1)}, version=(1, 1), shards=["b"])
+    # a push valid for shard 'w' but not 'b' leaves no pending gradient anywhere
+    with pytest.raises(PushRejected, match="shape"):
+        server.push("a", 1, {"w": np.ones(2), "b": np.ones(2)}, version=(1, 1))
+    assert all(s["pending"] == 0 for s in server.stats()["shards"].values())
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(mode="hogwild"), "mode must be"),
+    (dict(merge="max"), "merge must be"),
+    (dict(mode="sync", staleness_scale=True), "staleness_scale"),
+    (dict(round_timeout=-1), "round_timeout"),
+    (dict(on_timeout="retry"), "on_timeout"),
+    (dict(shards=[["w"], ["w"]]), "in shards"),
+    (dict(shards=[["w"]]), "in no shard"),
+    (dict(shards=[["w", "b", "zz"]]), "unknown parameter 'zz'"),
+])
+def test_bad_server_options(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        ParameterServer({"w": np.zeros(2), "b": np.zeros(1)}, sgd, dict(learning_rate=1.0),
+                        **kwargs)
+
+
+def test_worker_model_must_match_server():
+    server = ParameterServer({"W1": np.zeros((2, 2))}, sgd, dict(learning_rate=1.0))
+    with pytest.raises(ValueError, match="do not match"):
+        Worker(server, "w", build_model)
+
+
+# ------------------------------------------------------------------ accumulation traffic
+
+
+def test_local_accumulation_cuts_traffic():
+    data = [batches_for(50, [4] * 8)]
+    per_example = {}
+    for n in (1, 4):
+        r = train(build_model, data, sgd, dict(learning_rate=0.1), mode="async", accumulate=n,
+                  compile_mode="CVM")
+        assert r.pushes == 8 // n and r.examples == 32
+        per_example[n] = r.bytes_per_example
+    assert per_example[1] == pytest.approx(4 * per_example[4])
+
+
+# ------------------------------------------------------------------ Dask backend
+
+
+@pytest.fixture(scope="module")
+def dask_client():
+    if not HAVE_DASK:
+        pytest.skip("needs dask[distributed]")
+    from lasagne_accum.distributed.dask import local_cluster
+
+    with local_cluster(2) as client:
+        yield client
+
+
+def _push_integer_grads(server, wid, seeds):
+    """A Dask task: push integer gradients directly to the shard actors."""
+    out = []
+    for seq, seed in enumerate(seeds):
+        version, _ = server.pull()
+        g = {n: np.random.default_rng(seed).integers(-5, 6, size=s).astype(float)
+             for n, (s, _) in server.specs.items()}
+        r = server.push(wid, seq, g, version=version)
+        if seq == 0:                                         # a retry of the same id
+            assert server.push(wid, seq, g, version=version)["duplicate"]
+        out.append(r["applied"])
+    return out
+
+
+@needs_dask
+def test_dask_cluster_is_loopback_only(dask_client):
+    info = dask_client.scheduler_info()
+    assert info["address"].startswith("tcp://127.0.0.1:")
+    assert all(a.startswith("tcp://127.0.0.1:") for a in info["workers"])
+    assert len(info["workers"]) == 2
+
+
+@needs_dask
+def test_dask_async_exactly_once(dask_client):
+    from lasagne_accum.distributed.dask import DaskParameterServer
+
+    K, M = 4, 15
+    p0 = {"w": np.zeros(4), "v": np.zeros((2, 2))}
+    server = DaskParameterServer(dask_client, p0, sgd, dict(learning_rate=1.0), mode="async",
+                                 compile_mode="CVM")
+    try:
+        assert set(server.placement.values()) == set(dask_client.scheduler_info()["workers"])
+        seeds = {f"w{k}": [1000 * k + m for m in range(M)] for k in range(K)}
+        for wid in seeds:
+            server.register(wid)
+        futures = [dask_client.submit(_push_integer_grads, server, wid, s, pure=False)
+                   for wid, s in seeds.items()]
+        assert all(all(f.result()) for f in futures)
+        stats = server.stats()
+        assert stats["applied"] == K * M and stats["duplicates"] == K
+        expected = {n: -sum(np.random.default_rng(s).integers(-5, 6, size=a.shape)
+                            for ss in seeds.values() for s in ss) for n, a in p0.items()}
+        _, params = server.pull()
+        for n in p0:
+            np.testing.assert_array_equal(params[n], expected[n])
+        # bad input crosses the process boundary as the same exception, state untouched
+        before = state_of(server)
+        with pytest.raises(PushRejected, match="shape"):
+            server.push("w0", 99, {"w": np.ones(5), "v": np.ones((2, 2))}, version=(0, 0))
+        with pytest.raises(UnknownWorkerError):
+            server.push("nobody", 0, {"w": np.ones(4), "v": np.ones((2, 2))}, version=(0, 0))
+        assert_same_state(state_of(server), before)
+    finally:
+        server.close()
+
+
+@needs_dask
+def test_dask_sync_equals_local_and_large_batch(dask_client, tmp_path):
+    sizes = [[5, 3, 4, 6], [7, 2, 2, 5]]
+    worker_batches = [batches_for(60 + k, s) for k, s in enumerate(sizes)]
+    kw = dict(mode="sync", accumulate=2, compile_mode="CVM")
+    path = tmp_path / "dask.npz"
+    on_dask = train(build_model, worker_batches, adam, dict(learning_rate=0.05), backend="dask",
+                    client=dask_client, checkpoint_to=path, **kw)
+    local = train(build_model, worker_batches, adam, dict(learning_rate=0.05), **kw)
+    expected = reference_sync(adam, dict(learning_rate=0.05), worker_batches, 2)
+    assert on_dask.backend == "dask" and on_dask.version == (2,) * 4
+    for name, value in expected.items():
+        np.testing.assert_allclose(on_dask.params[name], value, **TOL, err_msg=name)
+        np.testing.assert_allclose(local.params[name], value, **TOL, err_msg=name)
+    # a Dask checkpoint restores into a local server (same names)
+    server = ParameterServer({p.name: p.get_value() for p in build_model()[2]}, adam,
+                             dict(learning_rate=0.05), mode="sync")
+    server.load(path)
+    for name, value in on_dask.params.items():
+        np.testing.assert_array_equal(server.pull()[1][name], value)
+
+
+@needs_dask
+def test_dask_async_training_with_staleness(dask_client):
+    worker_batches = [batches_for(70 + k, [4] * 6) for k in range(2)]
+    r = train(build_model, worker_batches, sgd, dict(learning_rate=0.05), mode="async",
+              backend="dask", client=dask_client, staleness_scale=True, compile_mode="CVM")
+    assert r.stats["applied"] == 12 and r.version == (12,) * 4
+    assert sum(r.stats["staleness"].values()) == 12 * 4
+    assert all(np.all(np.isfinite(v)) for v in r.params.values())
