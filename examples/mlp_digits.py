@@ -10,54 +10,15 @@ loss per epoch and the test loss and accuracy at the end.
 """
 
 import argparse
-import sys
 import time
 
 import numpy as np
 import pytensor
-import pytensor.tensor as pt
 
 import lasagne_accum
-from lasagne_accum import updates as rules
 from lasagne_accum.training import compile_accumulation, default_modes, run_epoch
 
-OPTIMIZERS = ["sgd", "momentum", "nesterov_momentum", "adagrad", "rmsprop", "adadelta",
-              "adam", "adamax", "amsgrad"]
-
-
-def load_digits(seed, test_fraction=0.25, dtype="float32"):
-    """The 1797 8x8 digit images bundled with scikit-learn, scaled to [0, 1]."""
-    try:
-        from sklearn.datasets import load_digits as sk_load_digits
-    except ImportError:
-        sys.exit("error: this example needs scikit-learn: pip install -e '.[examples]'")
-    data = sk_load_digits()
-    X = (data.data / 16.0).astype(dtype)
-    y = data.target.astype("int64")
-    order = np.random.RandomState(seed).permutation(len(X))
-    n_test = int(len(X) * test_fraction)
-    test, train = order[:n_test], order[n_test:]
-    return X[train], y[train], X[test], y[test]
-
-
-def build_mlp(n_in, n_hidden, n_out, seed, dtype="float32"):
-    """Symbolic inputs, a ReLU MLP's params, its mean cross-entropy and accuracy."""
-    rng = np.random.RandomState(seed)
-
-    def glorot(shape, name):
-        bound = np.sqrt(6.0 / sum(shape))
-        return pytensor.shared(rng.uniform(-bound, bound, shape).astype(dtype), name=name)
-
-    W1, W2 = glorot((n_in, n_hidden), "W1"), glorot((n_hidden, n_out), "W2")
-    b1 = pytensor.shared(np.zeros(n_hidden, dtype), name="b1")
-    b2 = pytensor.shared(np.zeros(n_out, dtype), name="b2")
-    x, y = pt.matrix("x", dtype=dtype), pt.vector("y", dtype="int64")
-    hidden = pt.maximum(x @ W1 + b1, 0)
-    logits = hidden @ W2 + b2
-    log_probs = logits - pt.logsumexp(logits, axis=1, keepdims=True)
-    loss = -log_probs[pt.arange(y.shape[0]), y].mean()
-    accuracy = pt.eq(pt.argmax(logits, axis=1), y).mean()
-    return x, y, [W1, b1, W2, b2], loss, accuracy
+import models
 
 
 def parse_args(argv=None):
@@ -66,7 +27,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--accumulate", type=int, default=4, metavar="N",
                    help="mini-batches per optimizer step (default 4)")
-    p.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
+    p.add_argument("--optimizer", default="adam", choices=models.OPTIMIZERS)
     p.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--mode", default=None,
@@ -85,14 +46,17 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    X_train, y_train, X_test, y_test = load_digits(args.seed)
-    x, y, params, loss, accuracy = build_mlp(X_train.shape[1], args.hidden, 10, args.seed)
-    rule = getattr(rules, args.optimizer)
+    try:
+        X_train, y_train, X_test, y_test = models.load_digits(args.seed)
+    except models.DataError as exc:
+        models.fail(str(exc))
+    model = models.build_mlp(X_train.shape[1], args.hidden, 10, args.seed)
+    x = model.x
     trainer = compile_accumulation(
-        [x, y], loss, params, rule, dict(learning_rate=args.lr), every=args.accumulate,
-        weight=x.shape[0], mode=args.mode,
+        [x, model.y], model.loss, model.params, models.rule(args.optimizer),
+        dict(learning_rate=args.lr), every=args.accumulate, weight=x.shape[0], mode=args.mode,
     )
-    evaluate = pytensor.function([x, y], [loss, accuracy], mode=args.mode)
+    evaluate = pytensor.function([x, model.y], [model.loss, model.accuracy], mode=args.mode)
     modes = (args.mode, args.mode) if args.mode else default_modes()
     print(f"lasagne_accum {lasagne_accum.__version__}, pytensor {pytensor.__version__}; "
           f"modes: accumulate={modes[0]}, apply={modes[1]}")

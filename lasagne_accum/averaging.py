@@ -96,6 +96,11 @@ class _SwappableAverage:
         return OrderedDict((v, pt.switch(self._is_step, new, v)) for v, new in updates.items())
 
     @property
+    def steps(self):
+        """Optimizer steps averaged so far (``apply()`` needs at least one)."""
+        return int(_host(self.num_updates.get_value()))
+
+    @property
     def applied(self):
         """True between :meth:`apply` and :meth:`restore`."""
         return self._backup is not None
@@ -128,7 +133,7 @@ class _SwappableAverage:
                 f"{self.name}: averages are already applied; call restore() before "
                 "applying again (apply() does not nest)"
             )
-        if int(_host(self.num_updates.get_value())) == 0:
+        if self.steps == 0:
             raise RuntimeError(
                 f"{self.name}: nothing to apply: no optimizer step has been averaged yet "
                 "(merge .updates into the function that takes the optimizer step and call it)"

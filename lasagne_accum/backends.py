@@ -12,11 +12,13 @@
   gradient of a float32 model comes back float64 and, through the update,
   silently turns the float32 shared variables into float64 ones. The fix
   casts each reduction's result to the dtype of its output variable.
-* PyTorch: the scalar ``Pow`` op is mapped to ``torch.power``, which does not
-  exist (the function is ``torch.pow``), and ``ScalarFromTensor`` indexes its
-  input with ``x[()]``, which fails when TorchDynamo hands it a Python scalar.
-  Either breaks every rule with a bias correction (``beta ** t``) or a
-  data-dependent shape.
+* PyTorch: the scalar ``Pow`` and ``Mod`` ops are mapped to ``torch.power``
+  and ``torch.mod``, which do not exist (``torch.pow``, ``torch.remainder``);
+  ``EQ`` is mapped to ``torch.equal``, which compares whole tensors and returns
+  one Python bool (the elementwise function is ``torch.eq``); and
+  ``ScalarFromTensor`` indexes its input with ``x[()]``, which fails when
+  TorchDynamo hands it a Python scalar. Each breaks some rule: bias
+  corrections (``beta ** t``), step counters and window conditions, shapes.
 
 The fixes are registered on PyTensor's own dispatchers, and only once PyTensor
 imports the backend's dispatch module: importing this library never imports
@@ -90,12 +92,20 @@ def register_pytorch_fixes():
         return
     import torch
     from pytensor.link.pytorch.dispatch.basic import pytorch_funcify
-    from pytensor.scalar.basic import Pow
+    from pytensor.scalar.basic import EQ, Mod, Pow
     from pytensor.tensor.basic import ScalarFromTensor
 
     @pytorch_funcify.register(Pow)
     def _pytorch_funcify_pow(op, node, **kwargs):
         return torch.pow
+
+    @pytorch_funcify.register(EQ)
+    def _pytorch_funcify_eq(op, node, **kwargs):
+        return torch.eq  # elementwise; torch.equal compares whole tensors to one bool
+
+    @pytorch_funcify.register(Mod)
+    def _pytorch_funcify_mod(op, node, **kwargs):
+        return torch.remainder  # numpy.mod's sign convention; there is no torch.mod
 
     @pytorch_funcify.register(ScalarFromTensor)
     def _pytorch_funcify_scalar_from_tensor(op, node, **kwargs):

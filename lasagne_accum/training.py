@@ -10,6 +10,7 @@ partial window at the end of the epoch.
 
 import sys
 import time
+from collections import OrderedDict
 
 import numpy as np
 import pytensor
@@ -168,9 +169,11 @@ def compile_accumulation(inputs, loss, params, update_rule, rule_kwargs=None, ev
         Passed to :func:`lasagne_accum.accumulate_gradients`.
     outputs : list of symbolic variables, optional
         Outputs of the per-batch function; default ``[loss]``.
-    extra_apply_updates : dict, optional
-        More updates for the apply function, for example
-        ``ModelAverage.updates``, so that they run once per optimizer step.
+    extra_apply_updates : dict or callable, optional
+        More updates for the apply function, so that they run once per
+        optimizer step. A callable receives the rule's update dictionary and
+        returns the extra updates: ``lambda apply: ModelAverage(params, 0.15,
+        updates=apply).updates`` averages the values after each step.
     mode, apply_mode : str or Mode, optional
         Compilation modes of the two functions; by default
         :func:`default_modes`. Give `mode` alone to use it for both.
@@ -209,6 +212,10 @@ def compile_accumulation(inputs, loss, params, update_rule, rule_kwargs=None, ev
     from .averaged import _checked_rule_updates
 
     apply = _checked_rule_updates(update_rule, acc.grads, acc.params, dict(rule_kwargs or {}))
+    if callable(extra_apply_updates):
+        # e.g. lambda apply: ModelAverage(params, ..., updates=apply).updates, so that
+        # the average takes the parameters' values after the step
+        extra_apply_updates = extra_apply_updates(OrderedDict(apply))
     if extra_apply_updates:
         for var, new in extra_apply_updates.items():
             if var in apply:

@@ -153,18 +153,7 @@ def test_two_function_form_and_model_average_agree(mode, rule):
         assert np.array_equal(got[f"restored.{name}"], got[name])
 
 
-@pytest.mark.parametrize("mode", [
-    pytest.param("NUMBA", id="numba"),
-    pytest.param("JAX", id="jax", marks=pytest.mark.skipif(not _installed("jax"),
-                                                          reason="jax not installed")),
-    pytest.param("PYTORCH", id="pytorch", marks=[
-        pytest.mark.skipif(not _installed("torch"), reason="torch not installed"),
-        pytest.mark.xfail(strict=True, raises=AttributeError, reason=(
-            "PyTensor 3.0.7's PyTorch backend turns an elementwise op on 0-d integer "
-            "tensors into a Python bool ('bool' object has no attribute 'shape'), which "
-            "breaks the single-function form's step counter")),
-    ]),
-])
+@pytest.mark.parametrize("mode", BACKENDS)
 @pytest.mark.parametrize("rule", ["adam", "rmsprop"])
 def test_single_function_form_agrees(mode, rule):
     _assert_close(_run_single_function(rule, "float64", mode),

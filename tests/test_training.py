@@ -132,3 +132,23 @@ def test_default_modes_follow_blas():
     acc_mode, apply_mode = default_modes()
     assert apply_mode == "NUMBA"
     assert acc_mode == ("CVM" if pytensor.config.blas__ldflags else "NUMBA")
+
+
+def test_extra_apply_updates_callable_sees_the_rule_updates():
+    x, y, w, loss = _model()
+    holder = {}
+
+    def average(apply):
+        holder["avg"] = la.ModelAverage([w], 1.0, 1, 100, updates=apply)
+        return holder["avg"].updates
+
+    trainer = la.compile_accumulation([x, y], loss, [w], la.sgd, dict(learning_rate=LR),
+                                      every=2, weight=x.shape[0], extra_apply_updates=average)
+    batches = _batches([2, 1, 3, 2])
+    for batch in batches:
+        trainer.step(*batch)
+    avg = holder["avg"]
+    assert avg.steps == 2
+    w1, w2 = _reference(batches[:2], 2), _reference(batches, 2)
+    with avg.apply():  # the average of the values after each step
+        np.testing.assert_allclose(w.get_value(), (w1 + w2) / 2, rtol=1e-12)

@@ -1,0 +1,319 @@
+"""The examples run, on tiny settings, and print what they promise.
+
+Each example's ``main(argv)`` is called in-process (faster than a subprocess)
+and its returned results and printed output are checked: table rows present,
+numbers finite, accumulation equal to the large batch in float64. A few
+subprocess runs check that bad input ends with a one-line error and a
+non-zero exit status, not a traceback.
+"""
+
+import gzip
+import os
+import re
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+sys.path.insert(0, EXAMPLES)
+
+pytest.importorskip("sklearn")
+
+import cross_minibatch  # noqa: E402
+import digits_cnn  # noqa: E402
+import large_batch_small_memory  # noqa: E402
+import mlp_digits  # noqa: E402
+import model_average  # noqa: E402
+import models  # noqa: E402
+
+FAST = ["--no-progress", "--mode", "CVM"]
+ROW = re.compile(r"^(control|cross) nodrop minibatch=(\d+)(?:\((\d+)\))? x(\d+) (\d+) iters "
+                 r"(\S+) (\S+) lr=(\S+) momentum=(\S+)$", re.M)
+
+
+def finite(*values):
+    return all(np.isfinite(v) for v in values)
+
+
+# ------------------------------------------------------------ cross_minibatch
+
+
+def test_cross_minibatch_table(tmp_path, capsys):
+    result = cross_minibatch.main(FAST + ["--model", "mlp", "--epochs", "2", "--train-size", "40",
+                                          "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    rows = ROW.findall(out)
+    assert len(rows) == len(cross_minibatch.ROWS) == len(result["rows"])
+    labels = {(kind, int(b), int(a or 1), float(m)) for kind, b, a, _, _, _, _, _, m in rows}
+    assert labels == {("control", 5, 1, 0.999), ("control", 1, 1, 0.999),
+                      ("cross", 1, 5, 0.999), ("cross", 1, 10, 0.999),
+                      ("control", 5, 1, 0.995), ("cross", 1, 5, 0.995)}
+    lrs = {float(r[7]) for r in rows}
+    lr = cross_minibatch.LR
+    assert sorted(lrs) == pytest.approx([lr / 10, lr])   # the large and the 10x smaller one
+    for kind, b, a, per_epoch, epochs, loss, acc, lr, m in rows:
+        assert int(epochs) == 2
+        assert int(per_epoch) == 40 // int(b)            # 40 examples, a multiple of 10
+        assert finite(float(loss), float(acc)) and 0 <= float(acc) <= 100
+    # batch 1 averaged over 5 = batch 5 (same windows), up to float32 rounding
+    assert re.search(r"^batch 1 averaged over 5 .* is within 1 accuracy point", out, re.M)
+    assert result["within_one_point"] is True
+    by = {(r["batch"], r["average"], r["momentum"]): r for r in result["rows"]}
+    assert by[(1, 5, 0.999)]["test_loss"] == pytest.approx(by[(5, 1, 0.999)]["test_loss"],
+                                                           rel=1e-4)
+    assert os.path.getsize(tmp_path / "cross_minibatch.png") > 1000
+
+
+def test_cross_minibatch_quick_defaults():
+    args = cross_minibatch.parse_args(["--quick"])
+    assert (args.epochs, args.lr) == (cross_minibatch.QUICK_EPOCHS, cross_minibatch.QUICK_LR)
+    args = cross_minibatch.parse_args(["--quick", "--epochs", "3", "--lr", "0.01"])
+    assert (args.epochs, args.lr) == (3, 0.01)
+    args = cross_minibatch.parse_args([])
+    assert (args.epochs, args.lr) == (cross_minibatch.EPOCHS, cross_minibatch.LR)
+    assert cross_minibatch.parse_args(["--rows", "4,1"]).rows == [4, 1]
+
+
+def test_cross_minibatch_decimal():
+    assert cross_minibatch.decimal(1e-4) == "0.0001"
+    assert cross_minibatch.decimal(7e-5 / 10) == "0.000007"
+
+
+# ---------------------------------------------------------------------- models
+
+
+def test_conv2d_and_pooling_match_numpy():
+    import pytensor
+    import pytensor.tensor as pt
+
+    rng = np.random.RandomState(0)
+    images, W, b = rng.rand(3, 7, 9, 2), rng.rand(3 * 3 * 2, 4), rng.rand(4)
+    x = pt.tensor4("x")
+    conv = pytensor.function([x], models.conv2d(x, pt.constant(W), pt.constant(b), 3, 7, 9),
+                             mode="CVM")
+    expected = np.empty((3, 5, 7, 4))
+    for i in range(5):
+        for j in range(7):
+            expected[:, i, j] = np.einsum("bklc,klcf->bf", images[:, i:i + 3, j:j + 3],
+                                          W.reshape(3, 3, 2, 4)) + b
+    np.testing.assert_allclose(conv(images), expected, rtol=1e-12)
+    pool = pytensor.function([x], models.max_pool_2x2(x, 5, 7), mode="CVM")
+    maps = rng.rand(2, 5, 7, 3)
+    np.testing.assert_array_equal(
+        pool(maps), maps[:, :4, :6].reshape(2, 2, 2, 3, 2, 3).max(axis=(2, 4)))
+
+
+# ------------------------------------------------------------------ digits_cnn
+
+
+def test_digits_cnn_forms_and_model_average(capsys):
+    tiny = FAST + ["--epochs", "1", "--train-size", "48"]
+    plain = digits_cnn.main(tiny + ["--batch-size", "8"])
+    accumulated = digits_cnn.main(tiny + ["--batch-size", "4", "--accumulate", "2"])
+    averaged = digits_cnn.main(tiny + ["--batch-size", "4", "--average", "2",
+                                       "--model-average"])
+    out = capsys.readouterr().out
+    assert "accumulate 2 (two functions), effective batch 8" in out
+    assert "average=2 (one function), effective batch 8" in out
+    assert out.count("with ModelAverage: test loss") == 1
+    for r in (plain, accumulated, averaged):
+        assert finite(r["test_loss"], r["test_acc"])
+    assert finite(averaged["avg_test_loss"], averaged["avg_test_acc"])
+    # batch 4 accumulated over 2 trains like batch 8 (float32 rounding apart)
+    assert accumulated["test_loss"] == pytest.approx(plain["test_loss"], rel=1e-4)
+    assert averaged["test_loss"] == pytest.approx(plain["test_loss"], rel=1e-4)
+
+
+def test_digits_cnn_mlp_option(capsys):
+    r = digits_cnn.main(FAST + ["--model", "mlp", "--epochs", "2", "--train-size", "64",
+                                "--optimizer", "adam", "--lr", "0.01"])
+    assert len(r["history"]) == 2 and finite(*np.ravel(r["history"]))
+    assert "MLP on 64 train" in capsys.readouterr().out
+
+
+# -------------------------------------------------------- MNIST IDX reader
+
+
+def write_idx(path, array, compress=False):
+    codes = {np.dtype("uint8"): 0x08, np.dtype(">i4"): 0x0C}
+    header = struct.pack(">BBBB", 0, 0, codes[array.dtype], array.ndim)
+    header += struct.pack(f">{array.ndim}I", *array.shape)
+    data = header + array.tobytes()
+    with (gzip.open if compress else open)(path, "wb") as f:
+        f.write(data)
+
+
+def write_mnist(directory, n_train=40, n_test=12, side=10, compress=False, seed=0):
+    rng = np.random.RandomState(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    arrays = {"train_images": rng.randint(0, 256, (n_train, side, side)).astype("uint8"),
+              "train_labels": (np.arange(n_train) % 10).astype("uint8"),
+              "test_images": rng.randint(0, 256, (n_test, side, side)).astype("uint8"),
+              "test_labels": (np.arange(n_test) % 10).astype("uint8")}
+    for key, name in models.MNIST_FILES.items():
+        write_idx(directory / (name + (".gz" if compress else "")), arrays[key], compress)
+    return arrays
+
+
+@pytest.mark.parametrize("compress", [False, True], ids=["plain", "gzip"])
+def test_mnist_reader(tmp_path, compress):
+    arrays = write_mnist(tmp_path, compress=compress)
+    X_train, y_train, X_test, y_test = models.load_mnist(str(tmp_path))
+    assert X_train.shape == (40, 100) and X_test.shape == (12, 100)
+    assert X_train.dtype == np.float32 and y_train.dtype == np.int64
+    np.testing.assert_allclose(X_train * 255, arrays["train_images"].reshape(40, 100), atol=1e-3)
+    np.testing.assert_array_equal(y_test, arrays["test_labels"])
+
+
+def test_read_idx_other_types_and_errors(tmp_path):
+    ints = np.arange(6, dtype=">i4").reshape(2, 3)
+    write_idx(tmp_path / "ints", ints)
+    np.testing.assert_array_equal(models.read_idx(str(tmp_path / "ints")), ints)
+    (tmp_path / "text").write_bytes(b"not an idx file")
+    with pytest.raises(models.DataError, match="not an IDX file"):
+        models.read_idx(str(tmp_path / "text"))
+    (tmp_path / "short").write_bytes((tmp_path / "ints").read_bytes()[:-1])
+    with pytest.raises(models.DataError, match="header says shape"):
+        models.read_idx(str(tmp_path / "short"))
+    (tmp_path / "bad.gz").write_bytes(gzip.compress(b"\0\0\x08\x01")[:-4])
+    with pytest.raises(models.DataError, match="cannot read"):
+        models.read_idx(str(tmp_path / "bad.gz"))
+    with pytest.raises(models.DataError, match="missing t10k-images"):
+        write_mnist(tmp_path / "partial")
+        os.remove(tmp_path / "partial" / "t10k-images-idx3-ubyte")
+        models.load_mnist(str(tmp_path / "partial"))
+
+
+def test_digits_cnn_on_mnist_files(tmp_path, capsys):
+    write_mnist(tmp_path / "mnist", compress=True)
+    r = digits_cnn.main(FAST + ["--mnist", str(tmp_path / "mnist"), "--epochs", "1",
+                                "--batch-size", "8", "--accumulate", "2", "--model-average"])
+    assert finite(r["test_loss"], r["test_acc"], r["avg_test_loss"], r["avg_test_acc"])
+    assert "CNN on 40 train / 12 test images (10x10)" in capsys.readouterr().out
+
+
+# ---------------------------------------------------- large_batch_small_memory
+
+
+def test_large_batch_small_memory(tmp_path, capsys):
+    r = large_batch_small_memory.main(FAST + ["--model", "mlp", "--n", "1,4", "--batch-size", "16",
+                                              "--steps", "2", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    table = re.findall(r"^\s*(\d+)\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)$", out, re.M)
+    assert [(int(n), int(nb)) for n, nb, *_ in table] == [(1, 16), (4, 64)]
+    for row in table:
+        assert finite(*map(float, row[2:]))
+    assert r["max_diff"] < 1e-10 and r["same"]
+    assert "< 1e-10: same parameters" in out
+    big = r["rows"][-1]
+    assert big["real_mib"] > big["accum_mib"] > 0          # 64 examples at once vs 16
+    assert os.path.getsize(tmp_path / "large_batch_small_memory.png") > 1000
+
+
+# ----------------------------------------------------------------- model_average
+
+
+def test_model_average(capsys):
+    r = model_average.main(FAST + ["--model", "mlp", "--epochs", "2", "--train-size", "64"])
+    out = capsys.readouterr().out
+    rows = re.findall(r"^\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)$", out, re.M)
+    assert [int(e) for e, *_ in rows] == [1, 2]
+    for row in rows:
+        assert finite(*map(float, row[1:]))
+    assert set(r["final"]) == {"raw", "ModelAverage", "EMA"}
+    assert finite(*np.ravel(list(r["final"].values())))
+    assert "ModelAverage ahead of raw after" in out
+
+
+def test_mlp_digits():
+    loss, acc = mlp_digits.main(["--epochs", "1", "--no-progress"])
+    assert finite(loss, acc) and acc > 0.3
+
+
+# ----------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("module, argv", [
+    (digits_cnn, ["--accumulate", "0"]),
+    (digits_cnn, ["--average", "-2"]),
+    (digits_cnn, ["--optimizer", "sgdd"]),
+    (digits_cnn, ["--accumulate", "2", "--average", "2"]),
+    (digits_cnn, ["--lr", "-1"]),
+    (digits_cnn, ["--mode", "FASTEST"]),
+    (cross_minibatch, ["--epochs", "0"]),
+    (cross_minibatch, ["--rows", "0,9"]),
+    (cross_minibatch, ["--train-size", "5"]),            # less than one window of 10
+    (large_batch_small_memory, ["--n", "2,0"]),
+    (large_batch_small_memory, ["--optimizer", "nope"]),
+    (model_average, ["--batch-size", "0"]),
+    (model_average, ["--ema-decay", "1.5"]),
+])
+def test_bad_flags_are_usage_errors(module, argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        module.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("usage:") and ": error: " in err[-1]   # argparse's usage + error
+    assert "Traceback" not in "\n".join(err)
+
+
+def test_data_errors_exit_1_in_process(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        digits_cnn.main(["--mnist", str(tmp_path / "nowhere")])
+    assert exc.value.code == 1
+    assert capsys.readouterr().err.strip() == (
+        f"error: MNIST directory not found: {tmp_path / 'nowhere'}")
+
+
+def test_unusable_output_directory(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as exc:
+        cross_minibatch.main(["--out", str(tmp_path / "file" / "sub")])
+    assert exc.value.code == 1
+    assert capsys.readouterr().err.startswith("error: cannot create output directory")
+
+
+def run_example(name, *argv):
+    return subprocess.run([sys.executable, os.path.join(EXAMPLES, name), *argv],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+
+def error_lines(stderr):
+    return [line for line in stderr.splitlines() if line.strip()]
+
+
+def test_exit_codes_subprocess(tmp_path):
+    """Real processes: one-line errors, status 2 for flags, 1 for data, no traceback."""
+    bad_flag = run_example("cross_minibatch.py", "--lr", "0")
+    assert bad_flag.returncode == 2 and "Traceback" not in bad_flag.stderr
+    assert error_lines(bad_flag.stderr)[-1] == (
+        "cross_minibatch.py: error: argument --lr: must be a finite number > 0, got 0")
+
+    missing = run_example("digits_cnn.py", "--mnist", str(tmp_path / "missing"))
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr
+    assert error_lines(missing.stderr)[-1] == (
+        f"error: MNIST directory not found: {tmp_path / 'missing'}")
+
+    write_mnist(tmp_path / "corrupt")
+    path = tmp_path / "corrupt" / "train-images-idx3-ubyte"
+    path.write_bytes(path.read_bytes()[:-7])          # truncated
+    corrupt = run_example("digits_cnn.py", "--mnist", str(tmp_path / "corrupt"))
+    assert corrupt.returncode == 1 and "Traceback" not in corrupt.stderr
+    last = error_lines(corrupt.stderr)
+    assert len(last) == 1 and last[0].startswith("error: ") and "header says shape" in last[0]
+
+
+# ------------------------------------------------------------------ progress
+
+
+def test_progress_without_tqdm(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    bar = models.progress(range(5), desc="x")
+    assert bar.bar is None
+    assert list(bar) == [0, 1, 2, 3, 4]
+    assert list(models.progress([1, 2], enabled=False)) == [1, 2]
