@@ -24,6 +24,8 @@ Backend configurations (each in its own, persistent, worker process):
                   to their Python ``perform`` (``numpy.dot``, i.e. NumPy's own
                   bundled BLAS); the worker reports which nodes run without a
                   C thunk;
+* ``jax``      -- ``mode="JAX"`` on the CPU (only if ``import jax`` works); the
+  timings wait for JAX's asynchronous results (``block_until_ready``);
 * ``torch``    -- optional PyTorch float32 reference (only if ``import torch``
                   works): ``torch.autograd.grad`` for fwd-bwd, ``loss.backward()``
                   without ``zero_grad`` for accumulate, ``torch.optim.Adam.step()``
@@ -72,6 +74,7 @@ CONFIGS = {
     "numba": {"mode": "NUMBA", "flags": ""},
     "c-blas": {"mode": "CVM", "flags": ""},
     "c-noblas": {"mode": "CVM", "flags": "blas__ldflags="},
+    "jax": {"mode": "JAX", "flags": ""},
     "torch": {"mode": None, "flags": ""},
 }
 
@@ -204,6 +207,20 @@ def build_pytensor(dtype, mode):
         "accumulate": lambda: fns["accumulate"](xv, yv),
         "adam": fns["adam"],
     }
+    if mode == "JAX":  # JAX dispatches asynchronously: time until the results exist
+        import jax
+
+        def synced(call, shared):
+            def run():
+                out = call()
+                jax.block_until_ready([out] + [v.get_value(borrow=True) for v in shared])
+            return run
+
+        calls = {
+            "fwd-bwd": synced(calls["fwd-bwd"], []),
+            "accumulate": synced(calls["accumulate"], accs),
+            "adam": synced(lambda: fns["adam"](), params),
+        }
     return fns, calls, accs, compile_s
 
 
@@ -239,6 +256,8 @@ def inspect_fn(fn, dtype, accs=()):
 def worker_pytensor(name, args):
     import numpy as np
     import pytensor
+
+    import lasagne_accum  # noqa: F401  (registers its fixes to PyTensor's backends)
 
     cfg = CONFIGS[name]
     meta = {
@@ -340,9 +359,9 @@ def read_proto(proc):
             return json.loads(line[len(PROTO):])
 
 
-def have_torch():
+def have_module(name):
     r = subprocess.run(
-        [sys.executable, "-c", "import torch"], capture_output=True, text=True
+        [sys.executable, "-c", f"import {name}"], capture_output=True, text=True
     )
     return r.returncode == 0
 
@@ -372,7 +391,8 @@ def fmt(v, width=8, prec=3):
 def parent_main(args):
     t_start = time.perf_counter()
     load0 = os.getloadavg()
-    names = ["numba", "c-blas", "c-noblas"] + (["torch"] if have_torch() else [])
+    names = (["numba", "c-blas", "c-noblas"] + (["jax"] if have_module("jax") else [])
+             + (["torch"] if have_module("torch") else []))
     procs, meta = {}, {}
     for n in names:  # compile one at a time so compilation does not skew timings
         procs[n] = start_worker(n, args)
