@@ -154,7 +154,10 @@ def single_function_form(rule, every, weighted, mode=None, lazy=True):
 
 
 def run_scenario(rule, every, weighted, mode=None, lazy=True, seed=0):
-    """K windows of `every` calls; checks against both references after each window."""
+    """K windows of `every` calls; checks against both references after each window.
+
+    Returns the number of windows compared (K).
+    """
     sm, s_state, s_all, single = single_function_form(rule, every, weighted, mode, lazy)
     rm, r_state, ref = reference(rule, mode)
     tm, acc, step, t_state, apply = two_function_form(rule, mode)
@@ -186,6 +189,7 @@ def run_scenario(rule, every, weighted, mode=None, lazy=True, seed=0):
         assert_close(got, values(rm.params + r_state), what + " vs large batch")
         assert_close(got, values(tm.params + t_state), what + " vs two-function form")
     assert not np.allclose(sm.W.get_value(), W0)
+    return window + 1
 
 
 # ------------------------------- 10. single function == two functions == large batch
@@ -194,13 +198,13 @@ def run_scenario(rule, every, weighted, mode=None, lazy=True, seed=0):
 @pytest.mark.parametrize("every", [1, 2, 3, 5])
 @pytest.mark.parametrize("rule", list(RULES))
 def test_single_function_equals_two_functions_and_large_batch(rule, every):
-    run_scenario(rule, every, weighted=False)
+    assert run_scenario(rule, every, weighted=False) == K
 
 
 @pytest.mark.parametrize("every", [2, 5])
 @pytest.mark.parametrize("rule", list(RULES))
 def test_single_function_weighted_unequal_batches(rule, every):
-    run_scenario(rule, every, weighted=True, seed=every)
+    assert run_scenario(rule, every, weighted=True, seed=every) == K
 
 
 def test_counter_and_buffers_follow_the_window():
@@ -398,4 +402,4 @@ def test_errors():
 @pytest.mark.parametrize("rule", ["momentum", "adam"])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_equivalence_under_cvm(rule, weighted):
-    run_scenario(rule, 3, weighted=weighted, mode="CVM", seed=21)
+    assert run_scenario(rule, 3, weighted=weighted, mode="CVM", seed=21) == K
