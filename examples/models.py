@@ -18,13 +18,13 @@ import gzip
 import os
 import struct
 import sys
-import time
 
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
 
 from lasagne_accum import updates as rules
+from lasagne_accum.training import Progress
 
 OPTIMIZERS = ["sgd", "momentum", "nesterov_momentum", "adagrad", "rmsprop", "adadelta",
               "adam", "adamax", "amsgrad"]
@@ -342,43 +342,8 @@ def out_dir(path):
 # --------------------------------------------------------- progress, plots
 
 
-class progress:
-    """Wrap an iterable with a progress bar: tqdm when installed, else plain lines.
-
-    Plain lines go to stderr at most every 5 seconds. ``enabled=False`` shows
-    nothing. ``set(text)`` updates the bar's postfix (e.g. the current loss).
-    """
-
-    def __init__(self, iterable, total=None, desc="", enabled=True):
-        self.iterable, self.desc, self.enabled = iterable, desc, enabled
-        self.total = total if total is not None else len(iterable)
-        self.bar, self.postfix = None, ""
-        if enabled:
-            try:
-                from tqdm.auto import tqdm
-                self.bar = tqdm(total=self.total, desc=desc, leave=False, file=sys.stderr)
-            except ImportError:
-                pass
-
-    def set(self, text):
-        self.postfix = text
-        if self.bar is not None:
-            self.bar.set_postfix_str(text, refresh=False)
-
-    def __iter__(self):
-        last = time.monotonic()
-        try:
-            for n, item in enumerate(self.iterable, 1):
-                yield item
-                if self.bar is not None:
-                    self.bar.update(1)
-                elif self.enabled and time.monotonic() - last > 5:
-                    last = time.monotonic()
-                    print(f"{self.desc}: {n}/{self.total} {self.postfix}", file=sys.stderr,
-                          flush=True)
-        finally:
-            if self.bar is not None:
-                self.bar.close()
+# The library's progress bar (tqdm when installed, plain lines otherwise).
+progress = Progress
 
 
 def save_plot(path, draw):

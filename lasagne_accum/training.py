@@ -18,8 +18,8 @@ import pytensor
 from .accumulate import accumulate_gradients
 from .updates import check_every
 
-__all__ = ["compile_accumulation", "AccumulationTrainer", "run_epoch", "default_modes",
-           "blas_available"]
+__all__ = ["compile_accumulation", "AccumulationTrainer", "run_epoch", "Progress",
+           "default_modes", "blas_available"]
 
 
 def blas_available():
@@ -235,37 +235,51 @@ def compile_accumulation(inputs, loss, params, update_rule, rule_kwargs=None, ev
     return AccumulationTrainer(accumulate_fn, apply_fn, acc, every, apply_updates=apply)
 
 
-class _Progress:
-    """tqdm when installed, else a plain line every few seconds."""
+class Progress:
+    """Wrap an iterable with a progress bar: tqdm when installed, else plain lines.
 
-    def __init__(self, total, desc, enabled):
-        self.enabled = enabled
-        self.total, self.desc, self.n = total, desc, 0
-        self.bar = None
-        self._last = time.monotonic()
+    Plain lines go to stderr at most every 5 seconds; ``enabled=False`` shows
+    nothing; tqdm is never required. ``set(text)`` updates the text shown
+    after the count (the current loss, say).
+
+    Examples
+    --------
+    >>> bar = Progress(range(3), desc="epoch 1", enabled=False)
+    >>> [i for i in bar]
+    [0, 1, 2]
+    """
+
+    def __init__(self, iterable, total=None, desc="", enabled=True):
+        self.iterable, self.desc, self.enabled = iterable, desc, enabled
+        self.total = total if total is not None else len(iterable)
+        self.bar, self.postfix = None, ""
         if enabled:
             try:
                 from tqdm.auto import tqdm
             except ImportError:
                 tqdm = None
             if tqdm is not None:
-                self.bar = tqdm(total=total, desc=desc, leave=False)
+                self.bar = tqdm(total=self.total, desc=desc, leave=False, file=sys.stderr)
 
-    def update(self, loss):
-        self.n += 1
-        if not self.enabled:
-            return
+    def set(self, text):
+        self.postfix = text
         if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-        elif time.monotonic() - self._last > 5:
-            self._last = time.monotonic()
-            print(f"{self.desc}: {self.n}/{self.total} batches, loss {loss:.4f}",
-                  file=sys.stderr, flush=True)
+            self.bar.set_postfix_str(text, refresh=False)
 
-    def close(self):
-        if self.bar is not None:
-            self.bar.close()
+    def __iter__(self):
+        last = time.monotonic()
+        try:
+            for n, item in enumerate(self.iterable, 1):
+                yield item
+                if self.bar is not None:
+                    self.bar.update(1)
+                elif self.enabled and time.monotonic() - last > 5:
+                    last = time.monotonic()
+                    print(f"{self.desc}: {n}/{self.total} {self.postfix}", file=sys.stderr,
+                          flush=True)
+        finally:
+            if self.bar is not None:
+                self.bar.close()
 
 
 def run_epoch(trainer, batches, *, progress=True, desc="epoch"):
@@ -299,16 +313,13 @@ def run_epoch(trainer, batches, *, progress=True, desc="epoch"):
     2
     """
     batches = list(batches)
-    bar = _Progress(len(batches), desc, progress)
+    bar = Progress(batches, desc=desc, enabled=progress)
     losses = []
-    try:
-        for batch in batches:
-            out = trainer.step(*batch)
-            first = out[0] if isinstance(out, (list, tuple)) else out
-            losses.append(float(np.asarray(first)))
-            bar.update(losses[-1])
-        trainer.flush()
-    finally:
-        bar.close()
+    for batch in bar:
+        out = trainer.step(*batch)
+        first = out[0] if isinstance(out, (list, tuple)) else out
+        losses.append(float(np.asarray(first)))
+        bar.set(f"loss {losses[-1]:.4f}")
+    trainer.flush()
     return float(np.mean(losses)) if losses else float("nan")
 
