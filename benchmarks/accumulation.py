@@ -28,10 +28,6 @@ Measured (and checked against the targets in the final summary):
 6. a naive loop (fwd-bwd function returning the grads, ``acc += g`` in numpy)
    vs our accumulate step, per batch.
 
-Also timed, for information (no verdict): a proposed library change, the same
-apply step with the accumulator reset fused into the adam Composite in place
-instead of an ``Alloc`` of fresh zeros (see ``proposal_trainer``).
-
 Timing: one persistent worker process for PyTensor (both dtypes) and one for
 torch; each round the parent asks each worker in turn (alternating the order)
 to time every kind of call; within a round the kinds alternate every ~20 calls
@@ -68,7 +64,6 @@ MEM_NS = (1, 2, 4, 8, 16)
 THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
                "NUMBA_NUM_THREADS")
 TARGETS = {"acc/fb": 0.85, "acc/torch": 1.0, "apply/torch": 1.0, "apply/acc": 0.25,
-           "prop/acc": 0.25,
            "acc/naive": 1.0, "mem_flat": 0.10}
 
 
@@ -193,38 +188,7 @@ def build_pt(dtype, every):
         "naive-NUMBA": naive(fb["NUMBA"]),
     }
     return dict(trainer=trainer, params=params, fb=fb, calls=calls, data=(xv, yv),
-                compile_s=compile_s, naive_acc=naive_acc,
-                proposal=proposal_trainer(dtype, every))
-
-
-def proposal_trainer(dtype, every):
-    """The library's trainer with one change: the accumulator reset fused in place.
-
-    ``compile_accumulation`` merges ``reset()`` = ``zeros_like(acc)`` into the
-    apply updates, which compiles to an ``Alloc`` of fresh zeros per
-    accumulator per apply call. Here each accumulator's update is
-    ``switch(count < 0, acc, 0)`` instead (never true, but not provable, so it
-    stays elementwise): it fuses into the adam Composite as one more output
-    written in place over the accumulator. Not a library API: a measurement of
-    what the proposed change would buy (same default modes).
-    """
-    import pytensor
-    import pytensor.tensor as pt
-
-    import lasagne_accum as la
-    from common import mlp
-
-    (x, y), params, loss = mlp(dtype)
-    acc = la.accumulate_gradients(loss, params)
-    apply = acc.guard(la.adam(acc.grads, params, learning_rate=1e-3))
-    never = pt.lt(acc.count, 0)
-    for a in acc.accumulators:
-        apply[a] = pt.switch(never, a, pt.zeros((), dtype=a.type.dtype))
-    apply[acc.count] = pt.zeros_like(acc.count)
-    m_acc, m_apply = la.training.default_modes()
-    fa = pytensor.function([x, y], loss, updates=acc.accumulate, mode=m_acc)
-    fp = pytensor.function([], [], updates=apply, mode=m_apply)
-    return la.AccumulationTrainer(fa, fp, acc, every, apply_updates=apply)
+                compile_s=compile_s, naive_acc=naive_acc)
 
 
 def time_window(trainer, data, windows):
@@ -259,14 +223,7 @@ def memory_checks(b):
     for _ in range(3):  # the apply call alone (after one accumulate call)
         acc_fn(xv, yv)
         apply_only.append(traced_call(apply_fn, repeat=1)[0])
-    prop = b["proposal"]
-    prop_peak = []
-    for _ in range(3):
-        prop.accumulate_fn(xv, yv)
-        prop_peak.append(traced_call(prop.apply_fn, repeat=1)[0])
     return {
-        "proposal_apply_peak": max(prop_peak),
-        "proposal_allocs": allocs_in(prop.apply_fn),
         "W1_bytes": params[0].get_value(borrow=True).nbytes,
         "acc_peak": acc_peak, "acc_net": acc_net,
         "acc_same_buffers": addr0 == addr1,
@@ -292,7 +249,6 @@ def worker_pt(args):
         for f in b["calls"].values():
             per_call(f, 3)
         time_window(b["trainer"], b["data"], 2)
-        time_window(b["proposal"], b["data"], 2)
     phases["warm-up"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     mem = {dt: memory_checks(b) for dt, b in built.items()}
@@ -322,7 +278,7 @@ def worker_pt(args):
         windows = max(1, calls // args.every)
         for dt in DTYPES[r % 2:] + DTYPES[:r % 2]:
             b = built[dt]
-            kinds = list(b["calls"]) + ["window", "window-proposal"]
+            kinds = list(b["calls"]) + ["window"]
             for sl in range(n_slices):
                 k0 = (r + sl) % len(kinds)
                 for k in kinds[k0:] + kinds[:k0]:
@@ -330,9 +286,6 @@ def worker_pt(args):
                         a, p = time_window(b["trainer"], b["data"], windows)
                         times.setdefault(f"{dt}/acc", []).extend(a)
                         times.setdefault(f"{dt}/apply", []).extend(p)
-                    elif k == "window-proposal":  # only its apply is reported
-                        _, p = time_window(b["proposal"], b["data"], windows)
-                        times.setdefault(f"{dt}/apply-proposal", []).extend(p)
                     else:
                         times.setdefault(f"{dt}/{k}", []).extend(
                             per_call(b["calls"][k], calls))
@@ -618,7 +571,6 @@ def parent_main(args):
             ("fwd-bwd NUMBA", "fb-NUMBA"),
             ("accumulate step (ours, CVM)", "acc"),
             ("apply step adam (ours, NUMBA)", "apply"),
-            ("  proposal: same, reset fused in place", "apply-proposal"),
             ("naive: fb CVM + numpy acc += g", "naive-CVM"),
             ("naive: fb NUMBA + numpy acc += g", "naive-NUMBA"),
             ("torch backward-accumulate", "torch-acc"),
@@ -638,7 +590,6 @@ def parent_main(args):
         ratios[dt] = {
             "acc/fb": (g(f"{dt}/acc") / g(f"{dt}/fb-{fb_mode}"), fb_mode),
             "apply/acc": (g(f"{dt}/apply") / g(f"{dt}/acc"), ""),
-            "prop/acc": (g(f"{dt}/apply-proposal") / g(f"{dt}/acc"), ""),
             "acc/naive": (g(f"{dt}/acc") / g(f"{dt}/naive-{nv_mode}"), nv_mode),
         }
         if use_torch and dt == "float32":
@@ -648,7 +599,6 @@ def parent_main(args):
               ("3a", "acc/torch", "accumulate / torch accumulate"),
               ("3b", "apply/torch", "apply / torch step+zero_grad"),
               ("4", "apply/acc", "apply / accumulate"),
-              ("4'", "prop/acc", "proposal apply / accumulate"),
               ("6", "acc/naive", "accumulate / fastest naive loop")]
     print(f"{'ratio':40s} {'float32':>16s} {'float64':>16s}  target")
     print("-" * 83)
@@ -663,7 +613,7 @@ def parent_main(args):
     nan = float("nan")
     print("best round (min over rounds) ms f32/f64: " + ", ".join(
         f"{k} {best.get('float32/' + k, nan):.3f}/{best.get('float64/' + k, nan):.3f}"
-        for k in ("fb-CVM", "fb-NUMBA", "acc", "apply", "apply-proposal", "naive-CVM"))
+        for k in ("fb-CVM", "fb-NUMBA", "acc", "apply", "naive-CVM"))
         + (f", torch acc {best['float32/torch-acc']:.3f}, torch step "
            f"{best['float32/torch-apply']:.3f}" if use_torch else ""))
 
@@ -675,7 +625,6 @@ def parent_main(args):
         + (f", 3a {bratio('float32', 'acc', 'float32/torch-acc'):.2f}, 3b "
            f"{bratio('float32', 'apply', 'float32/torch-apply'):.2f}" if use_torch else "")
         + ", 4 " + "/".join(f"{bratio(dt, 'apply', 'acc'):.2f}" for dt in DTYPES)
-        + ", 4' " + "/".join(f"{bratio(dt, 'apply-proposal', 'acc'):.2f}" for dt in DTYPES)
         + ", 6 " + "/".join(f"{bratio(dt, 'acc', 'naive-' + ratios[dt]['acc/naive'][1]):.2f}"
                             for dt in DTYPES))
     print()
@@ -698,10 +647,6 @@ def parent_main(args):
           + ", ".join(f"{k}: {'+'.join(v) or 'NONE'}"
                       for k, v in m32["apply_inplace_params"].items())
           + f"; allocations: {', '.join(m32['apply_allocs']) or 'none'}")
-    print("   proposal (reset fused in place): apply peak "
-          + ", ".join(f"{dt} {mb(pm['mem'][dt]['proposal_apply_peak']).strip()} MB"
-                      for dt in DTYPES)
-          + f"; allocations: {', '.join(m32['proposal_allocs']) or 'none'}")
     print()
 
     # ---- item 5 ----
@@ -739,7 +684,7 @@ def parent_main(args):
     for num, key, label in labels:
         for dt in DTYPES:
             v = ratios[dt].get(key)
-            if v is None or key == "prop/acc":  # a proposal, not the library: no verdict
+            if v is None:
                 continue
             ok = v[0] < 1.0 if key == "acc/naive" else v[0] <= TARGETS[key]
             tgt = "< 1" if key == "acc/naive" else f"<= {TARGETS[key]}"
@@ -759,9 +704,7 @@ def parent_main(args):
     results.insert(-2, (" 5 plain batch memory grows with N", f"x{grow:.2f}", grow > 1.10 + flat))
     for label, val, ok in results:
         print(f"  {verdict(ok)}  {label:58s} {val}")
-    print(f"  info 4' with the accumulator reset fused in place (proposal): "
-          + ", ".join(f"{dt} {ratios[dt]['prop/acc'][0]:.3f}" for dt in DTYPES)
-          + "; amortised per batch (apply / (every x accumulate)): "
+    print("  info 4 amortised per batch (apply / (every x accumulate)): "
           + ", ".join(f"{dt} {ratios[dt]['apply/acc'][0] / args.every:.3f}" for dt in DTYPES))
     load1 = os.getloadavg()
     print(f"load average (1/5/15 min) at start {load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f}, "
