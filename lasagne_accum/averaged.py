@@ -27,6 +27,7 @@ from pytensor.ifelse import ifelse
 
 from .grads import (
     accumulator_dtype,
+    check_every,
     check_params,
     get_or_compute_grads,
     hyperparameter,
@@ -54,12 +55,6 @@ class SteppingUpdates(OrderedDict):
     is_step = None
     count = None
     every = 1
-
-
-def _check_every(every):
-    from .updates import check_every
-
-    return check_every(every, "every")
 
 
 def with_accumulated_gradients(loss_or_grads, params, every, update_rule, *, weight=None,
@@ -134,7 +129,7 @@ def with_accumulated_gradients(loss_or_grads, params, every, update_rule, *, wei
     >>> _ = f(3.0); w.get_value()     # mean gradient of the two calls: -4
     array([2.])
     """
-    every = _check_every(every)
+    every = check_every(every, "every")
     if not callable(update_rule):
         raise TypeError(f"update_rule must be callable, got {type(update_rule).__name__}")
     params = check_params(params)

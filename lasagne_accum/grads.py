@@ -24,6 +24,7 @@ __all__ = [
     "scalar_state",
     "hyperparameter",
     "accumulator_dtype",
+    "check_every",
 ]
 
 _FLOAT_DTYPES = ("float16", "float32", "float64")
@@ -289,3 +290,17 @@ def hyperparameter(value, name, dtype, *, low=None, high=None, high_open=False):
     raise TypeError(
         f"{name} must be a number or a symbolic scalar, got {type(value).__name__}"
     )
+
+
+def check_every(every, name="average"):
+    """Return `every` as an int >= 1, or raise naming `name`."""
+    if isinstance(every, (bool, np.bool_)) or not isinstance(every, (int, np.integer)):
+        if hasattr(every, "type"):
+            raise TypeError(
+                f"{name} must be a Python integer, not a symbolic variable: the number of "
+                "batches per step fixes the structure of the update dictionary"
+            )
+        raise TypeError(f"{name} must be an integer >= 1, got {every!r}")
+    if every < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {every}")
+    return int(every)

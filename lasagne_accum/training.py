@@ -16,7 +16,7 @@ import numpy as np
 import pytensor
 
 from .accumulate import accumulate_gradients
-from .updates import check_every
+from .grads import check_every
 
 __all__ = ["compile_accumulation", "AccumulationTrainer", "run_epoch", "Progress",
            "default_modes", "blas_available"]

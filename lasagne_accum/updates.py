@@ -30,6 +30,7 @@ import pytensor.tensor as pt
 from .constraints import norm_constraint, total_norm_constraint
 from .grads import (
     accumulator_dtype,
+    check_every,
     check_params,
     get_or_compute_grads,
     hyperparameter,
@@ -54,20 +55,6 @@ __all__ = [
     "norm_constraint",
     "total_norm_constraint",
 ]
-
-
-def check_every(every, name="average"):
-    """Return `every` as an int >= 1, or raise naming `name`."""
-    if isinstance(every, (bool, np.bool_)) or not isinstance(every, (int, np.integer)):
-        if hasattr(every, "type"):
-            raise TypeError(
-                f"{name} must be a Python integer, not a symbolic variable: the number of "
-                "batches per step fixes the structure of the update dictionary"
-            )
-        raise TypeError(f"{name} must be an integer >= 1, got {every!r}")
-    if every < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {every}")
-    return int(every)
 
 
 def _build(rule, core, loss_or_grads, params, average, weight, hyper):
