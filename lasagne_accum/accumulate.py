@@ -13,7 +13,13 @@ and resets the buffer::
 The buffers hold weighted *sums*; the mean is taken at apply time by dividing
 by the total weight actually accumulated, so a window of batches of different
 sizes (the short last batch of an epoch) gives exactly the gradient of the
-concatenated batch.
+concatenated batch. An apply on an empty window changes nothing: the rules of
+this library guard their updates when given ``accu.grads``.
+
+Both accumulation forms (this one and the single-function form of
+:mod:`lasagne_accum.averaged`) build their buffers, counters, weighting,
+non-finite check, mean and clipping with one private core,
+:class:`_GradientBuffer`.
 """
 
 from collections import OrderedDict
@@ -33,7 +39,10 @@ from .grads import (
     state_like,
 )
 
-__all__ = ["accumulate_gradients", "reset", "Accumulation", "AccumulateUpdates"]
+_ZERO_INT = np.int64(0)
+
+__all__ = ["accumulate_gradients", "reset", "Accumulation", "AccumulateUpdates",
+           "AccumulatedGrads"]
 
 
 def reset(variables):
@@ -77,6 +86,116 @@ def reset(variables):
     return out
 
 
+class _GradientBuffer:
+    """The gradient-buffer core shared by both accumulation forms (private).
+
+    Checks the inputs and builds, once: one buffer per parameter (float32 at
+    least), the int64 batch counter ``<name>.count``, the total weight
+    ``<name>.total`` (with `weight`), the ``<name>.skipped`` counter (with
+    `skip_nonfinite`), each batch's contribution ``weight * gradient`` (zero
+    for a skipped batch) and, from buffer sums and a denominator, the
+    gradients handed to the rule (:meth:`gradients`).
+    """
+
+    def __init__(self, loss_or_grads, params, *, average, weight, max_norm, skip_nonfinite,
+                 name, default_name, where):
+        params = check_params(params)
+        grads = get_or_compute_grads(loss_or_grads, params)
+        if not params:
+            raise ValueError(f"{where}() needs at least one parameter")
+        if not isinstance(average, (bool, np.bool_)):
+            raise TypeError(f"average must be True or False, got {average!r}")
+        if not isinstance(skip_nonfinite, (bool, np.bool_)):
+            raise TypeError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty string, got {name!r}")
+        self.params, self.average, self.max_norm = params, bool(average), max_norm
+        acc_dtypes = [accumulator_dtype(p.type.dtype) for p in params]
+        self.total_dtype = np.result_type(*acc_dtypes).name
+
+        self.weight = None
+        if weight is not None:
+            w = hyperparameter(weight, "weight", self.total_dtype, low=0)
+            if w.owner is None and hasattr(w, "data") and float(w.data) == 0:
+                raise ValueError(
+                    "weight must be positive, got 0: a batch of weight 0 adds nothing, and "
+                    "a window of them has no mean; leave such a batch out"
+                )
+            self.weight = w
+        if max_norm is not None:
+            hyperparameter(max_norm, "max_norm", self.total_dtype, low=0)
+
+        suffix = "grad_accu" if name == default_name else f"{name}_grad_accu"
+        self.accumulators = [state_like(p, suffix, i, dtype=d)
+                             for i, (p, d) in enumerate(zip(params, acc_dtypes))]
+        self.count = scalar_state(f"{name}.count", "int64")
+        self.total = (scalar_state(f"{name}.total", self.total_dtype)
+                      if self.weight is not None else None)
+
+        contributions = []
+        for g, acc in zip(grads, self.accumulators):
+            dtype = acc.type.dtype
+            g = g if g.type.dtype == dtype else pt.cast(g, dtype)
+            contributions.append(g if self.weight is None else pt.cast(self.weight, dtype) * g)
+        self.skipped = None
+        self.finite = None
+        self.increment = pt.constant(np.int64(1))
+        self.added_weight = self.weight
+        if skip_nonfinite:
+            # What enters the buffer is checked (weight included): a finite
+            # gradient times a large weight can still overflow to inf.
+            finite = pt.all([pt.all(pt.isfinite(c)) for c in contributions])
+            contributions = [pt.switch(finite, c, pt.zeros_like(c)) for c in contributions]
+            self.skipped = scalar_state(f"{name}.skipped", "int64")
+            self.increment = pt.cast(finite, "int64")
+            if self.weight is not None:
+                self.added_weight = pt.switch(finite, self.weight,
+                                              np.zeros((), self.total_dtype))
+            self.finite = finite
+        self.contributions = contributions
+
+    def counter_updates(self, updates):
+        """Add the skipped counter's update (skipped batches are never reset)."""
+        if self.skipped is not None:
+            updates[self.skipped] = self.skipped + (np.int64(1) - self.increment)
+
+    def gradients(self, sums, denominator):
+        """The gradients for the rule: ``sums / denominator`` (or the sums), clipped.
+
+        A zero denominator (an empty window) gives zero gradients, not 0/0.
+
+        Returns
+        -------
+        (grads, norm) : list of expressions in the params' dtypes, and the
+            total norm before clipping (None without `max_norm`).
+        """
+        if self.average:
+            denominator = pt.cast(denominator, self.total_dtype)
+            one = np.ones((), self.total_dtype)
+            safe = pt.switch(pt.gt(denominator, 0), denominator, one)
+            means = [s / pt.cast(safe, s.type.dtype) for s in sums]
+        else:
+            means = list(sums)
+        grads = [m if m.type.dtype == p.type.dtype else pt.cast(m, p.type.dtype)
+                 for m, p in zip(means, self.params)]
+        norm = None
+        if self.max_norm is not None:
+            grads, norm = total_norm_constraint(grads, self.max_norm, return_norm=True)
+        return grads, norm
+
+
+class AccumulatedGrads(list):
+    """The list of accumulated gradients (``accu.grads``), tied to its accumulation.
+
+    A plain list of symbolic gradients; the rules of :mod:`lasagne_accum.updates`
+    recognise it by its ``accumulation`` attribute and guard their updates
+    (:meth:`Accumulation.guard`), so that an apply on an empty window changes
+    nothing.
+    """
+
+    accumulation = None
+
+
 class AccumulateUpdates(OrderedDict):
     """The accumulate update dictionary; also carries the accumulation's results.
 
@@ -89,6 +208,8 @@ class AccumulateUpdates(OrderedDict):
         The number of batches accumulated in the current window.
     accumulation : Accumulation
         The object this dictionary belongs to.
+    is_step, guard
+        As on :class:`Accumulation`.
     """
 
     accumulation = None
@@ -100,6 +221,14 @@ class AccumulateUpdates(OrderedDict):
     @property
     def count(self):
         return self.accumulation.count
+
+    @property
+    def is_step(self):
+        return self.accumulation.is_step
+
+    def guard(self, updates):
+        """See :meth:`Accumulation.guard`."""
+        return self.accumulation.guard(updates)
 
 
 class Accumulation(tuple):
@@ -151,13 +280,28 @@ class Accumulation(tuple):
     def reset(self):
         return self[1]
 
+    @property
+    def is_step(self):
+        """The step signal of the apply function: ``count > 0`` (symbolic).
+
+        Pass it as ``is_step=`` to :class:`lasagne_accum.ModelAverage` when its
+        updates go into the apply function of a hand-written rule; the
+        library's rules tag their guarded updates with it already.
+        """
+        if self.__dict__.get("_is_step") is None:
+            self.__dict__["_is_step"] = pt.gt(self.count, 0)
+        return self.__dict__["_is_step"]
+
     def guard(self, updates):
         """Make `updates` a no-op when nothing has been accumulated.
 
         Every update ``v: new`` becomes ``v: switch(count > 0, new, v)``: an
         apply function built from the result changes nothing (no step counted,
-        no NaN from dividing by a zero total) when called on an empty window,
-        for example by an end-of-epoch flush right after a full window.
+        no NaN, no rule state advanced) when called on an empty window, for
+        example by an end-of-epoch flush right after a full window. The rules
+        of :mod:`lasagne_accum.updates` do this by themselves when given
+        ``accu.grads``; call it for a rule of your own. Updates guarded
+        already are left as they are, so guarding twice costs nothing.
 
         Parameters
         ----------
@@ -168,9 +312,18 @@ class Accumulation(tuple):
         Returns
         -------
         OrderedDict
+            Each new value carries the step signal (``value.tag.step_signal``),
+            which :class:`lasagne_accum.ModelAverage` reads.
         """
-        nonempty = pt.gt(self.count, 0)
-        return OrderedDict((var, pt.switch(nonempty, new, var)) for var, new in updates.items())
+        nonempty = self.is_step
+        out = OrderedDict()
+        for var, new in updates.items():
+            new = pt.as_tensor_variable(new)
+            if getattr(new.tag, "step_signal", None) is not nonempty:
+                new = pt.switch(nonempty, new, var)
+                new.tag.step_signal = nonempty
+            out[var] = new
+        return out
 
 
 def accumulate_gradients(loss_or_grads, params, *, average=True, weight=None,
@@ -208,29 +361,32 @@ def accumulate_gradients(loss_or_grads, params, *, average=True, weight=None,
         Clip the accumulated gradients to this total L2 norm, once per window
         (never each batch).
     skip_nonfinite : bool
-        If True, a batch whose gradients contain NaN or inf adds nothing and
-        counts nothing; `skipped` counts such batches.
+        If True, a batch whose weighted gradients contain NaN or inf (what
+        would enter the buffer) adds nothing and counts nothing; `skipped`
+        counts such batches.
     name : str
-        Prefix of the counters' names (``accumulate.count``), to keep them
-        apart in checkpoints when a model uses several accumulations.
+        Prefix of the counters' names (``accumulate.count``); any other name
+        than the default also prefixes the buffers (``W.enc_grad_accu`` with
+        ``name="enc"``), so that several accumulations of the same params get
+        stable, distinct names.
 
     Returns
     -------
     Accumulation
         A 2-tuple ``(accumulate, reset)`` of OrderedDicts carrying ``.grads``,
-        ``.count``, ``.total``, ``.skipped``, ``.norm``, ``.accumulators`` and
-        ``.guard()``; the first dictionary also carries ``.grads`` and
+        ``.count``, ``.total``, ``.skipped``, ``.norm``, ``.accumulators``,
+        ``.is_step`` and ``.guard()``; the first dictionary also carries ``.grads`` and
         ``.count``.
 
     Raises
     ------
     TypeError
-        If `weight` is not a scalar, or a parameter is not a float shared
-        variable.
+        If `weight` is not a scalar, `average` or `skip_nonfinite` is not a
+        bool, or a parameter is not a float shared variable.
     ValueError
         If `loss_or_grads` is a list of the wrong length, a gradient's shape
-        does not match its parameter, a parameter is repeated, or a numeric
-        `weight` is not positive.
+        does not match its parameter, a parameter is repeated, the loss does
+        not depend on a parameter, or a numeric `weight` is not positive.
 
     Notes
     -----
@@ -239,10 +395,11 @@ def accumulate_gradients(loss_or_grads, params, *, average=True, weight=None,
     allowed; the total weight uses the widest of them. ``grads`` are cast
     back to each parameter's dtype.
 
-    Calling an apply function built from `grads` with nothing accumulated
-    divides 0 by 0; wrap its updates with :meth:`Accumulation.guard` (the
-    :func:`lasagne_accum.training.compile_accumulation` helper does) to make
-    it a no-op instead.
+    An apply function built from `grads` is safe on an empty window (an
+    end-of-epoch flush right after a full window): `grads` are 0 there, not
+    0/0, and the rules of this library guard their updates when given
+    ``accu.grads`` (no parameter or rule state changes, no step is counted).
+    For a rule of your own, wrap its updates with :meth:`Accumulation.guard`.
 
     Models with batch normalisation compute their statistics per mini-batch,
     so accumulation is not exactly a large batch for them.
@@ -265,60 +422,19 @@ def accumulate_gradients(loss_or_grads, params, *, average=True, weight=None,
     >>> w.get_value()   # the mean of 1, 2, 6 is 3: w - 0.5 * 2 * (w - 3)
     array(3.)
     """
-    params = check_params(params)
-    grads = get_or_compute_grads(loss_or_grads, params)
-    if not params:
-        raise ValueError("accumulate_gradients() needs at least one parameter")
-    if not isinstance(average, (bool, np.bool_)):
-        raise TypeError(f"average must be True or False, got {average!r}")
-    acc_dtypes = [accumulator_dtype(p.type.dtype) for p in params]
-    total_dtype = np.result_type(*acc_dtypes).name
-
-    if weight is None:
-        w = None
-    else:
-        w = hyperparameter(weight, "weight", total_dtype, low=0)
-        if w.owner is None and hasattr(w, "data") and float(w.data) == 0:
-            raise ValueError("weight must be positive, got 0")
-
-    accumulators = [state_like(p, "grad_accu", i, dtype=d)
-                    for i, (p, d) in enumerate(zip(params, acc_dtypes))]
-    count = scalar_state(f"{name}.count", "int64")
-    total = scalar_state(f"{name}.total", total_dtype) if w is not None else None
-
-    contributions = []
-    for g, acc in zip(grads, accumulators):
-        g = g if g.type.dtype == acc.type.dtype else pt.cast(g, acc.type.dtype)
-        contributions.append(g if w is None else pt.cast(w, acc.type.dtype) * g)
-
-    skipped = None
-    if skip_nonfinite:
-        finite = pt.all([pt.all(pt.isfinite(g)) for g in grads])
-        contributions = [pt.switch(finite, c, pt.zeros_like(c)) for c in contributions]
-        skipped = scalar_state(f"{name}.skipped", "int64")
-        increment = pt.cast(finite, "int64")
-    else:
-        increment = pt.constant(np.int64(1))
-
+    core = _GradientBuffer(loss_or_grads, params, average=average, weight=weight,
+                           max_norm=max_norm, skip_nonfinite=skip_nonfinite, name=name,
+                           default_name="accumulate", where="accumulate_gradients")
+    count, total = core.count, core.total
     accumulate = AccumulateUpdates()
-    for acc, c in zip(accumulators, contributions):
+    for acc, c in zip(core.accumulators, core.contributions):
         accumulate[acc] = acc + c
-    accumulate[count] = count + increment
+    accumulate[count] = count + core.increment
     if total is not None:
-        accumulate[total] = total + (w if not skip_nonfinite else pt.switch(finite, w, 0))
-    if skipped is not None:
-        accumulate[skipped] = skipped + (1 - increment)
+        accumulate[total] = total + core.added_weight
+    core.counter_updates(accumulate)
 
-    if average:
-        denom = pt.cast(count, total_dtype) if total is None else total
-        mean = [acc / pt.cast(denom, acc.type.dtype) for acc in accumulators]
-    else:
-        mean = list(accumulators)
-    out_grads = [m if m.type.dtype == p.type.dtype else pt.cast(m, p.type.dtype)
-                 for m, p in zip(mean, params)]
-    norm = None
-    if max_norm is not None:
-        out_grads, norm = total_norm_constraint(out_grads, max_norm, return_norm=True)
+    out_grads, norm = core.gradients(core.accumulators, count if total is None else total)
 
     # The buffers are zeroed with a select on the (scalar) counter instead of a
     # fresh array of zeros: PyTensor fuses the select into the rule's
@@ -328,11 +444,15 @@ def accumulate_gradients(loss_or_grads, params, *, average=True, weight=None,
     nonempty = pt.gt(count, 0)
     reset_updates = OrderedDict(
         (acc, pt.switch(nonempty, pt.constant(np.zeros((), acc.type.dtype)), acc))
-        for acc in accumulators
+        for acc in core.accumulators
     )
     reset_updates.update(reset([count] + ([total] if total is not None else [])))
-    return Accumulation(
+    grads = AccumulatedGrads(out_grads)
+    result = Accumulation(
         accumulate, reset_updates,
-        grads=out_grads, norm=norm, count=count, total=total if total is not None else count,
-        skipped=skipped, accumulators=accumulators, params=params,
+        grads=grads, norm=norm, count=count, total=total if total is not None else count,
+        skipped=core.skipped, accumulators=core.accumulators, params=core.params,
     )
+    result.__dict__["_is_step"] = nonempty
+    grads.accumulation = result
+    return result

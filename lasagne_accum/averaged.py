@@ -8,33 +8,29 @@ moments, timesteps) advances only on those stepping calls.
 Graph choices (measured in ``benchmarks/single_function.py``):
 
 * The buffer is reset *lazily*: instead of writing zeros after a step, the
-  first call of a window computes ``accu := 0 * accu + g``, a scaled
-  accumulation that PyTensor fuses into the gradient's matrix product
-  (``Gemm`` with ``beta = 0`` or ``1``, in place). A non-stepping call therefore
-  costs what the two-function form's accumulate step costs.
+  first call of a window computes ``accu := select(fresh, 0, accu) + g``,
+  which PyTensor fuses into the gradient's matrix product (``Gemm`` in place on
+  the selected buffer). A select rather than the former ``0 * accu`` so that a
+  NaN left in the buffer by a bad window is not carried into the next one
+  (``0 * NaN`` is NaN).
 * The rule's updates sit behind one lazy ``ifelse`` (``lazy=True``, default),
   so that the rule's arithmetic runs on stepping calls only; ``lazy=False``
   selects with ``switch`` instead (the rule then runs every call).
+
+Buffers, counters, weighting, the non-finite check, the mean and clipping come
+from the same private core as :func:`lasagne_accum.accumulate_gradients`
+(:class:`lasagne_accum.accumulate._GradientBuffer`), so both forms take the
+same options and give the same numbers.
 """
 
 from collections import OrderedDict
-from collections.abc import Mapping
 
 import numpy as np
 import pytensor.tensor as pt
-from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.ifelse import ifelse
 
-from .grads import (
-    accumulator_dtype,
-    check_every,
-    check_params,
-    get_or_compute_grads,
-    hyperparameter,
-    param_label,
-    scalar_state,
-    state_like,
-)
+from .accumulate import _GradientBuffer
+from .grads import check_every, check_params, check_rule_updates, get_or_compute_grads
 
 __all__ = ["with_accumulated_gradients", "SteppingUpdates"]
 
@@ -45,29 +41,41 @@ class SteppingUpdates(OrderedDict):
     Attributes
     ----------
     is_step : symbolic boolean scalar
-        True on the calls that take an optimizer step (every `every`-th).
-        :class:`lasagne_accum.ModelAverage` uses it to average only steps.
+        True on the calls that take an optimizer step (every `every`-th
+        accumulated batch). The new values of everything the rule updates
+        carry it too (``value.tag.step_signal``), so that
+        :class:`lasagne_accum.ModelAverage` finds it in a copy of this
+        dictionary as well.
     count : shared int64 scalar
-        Calls accumulated in the current window before this call.
+        Batches accumulated in the current window before this call.
+    skipped : shared int64 scalar or None
+        With ``skip_nonfinite=True``: batches skipped so far.
+    norm : symbolic scalar or None
+        With `max_norm`: the accumulated gradient's norm before clipping.
     every : int
     """
 
     is_step = None
     count = None
+    skipped = None
+    norm = None
     every = 1
 
 
 def with_accumulated_gradients(loss_or_grads, params, every, update_rule, *, weight=None,
-                               lazy=True, name="average", **kwargs):
+                               average=True, max_norm=None, skip_nonfinite=False, lazy=True,
+                               name="average", **kwargs):
     """Wrap any update rule so that it steps once every `every` calls.
 
-    Per call of the compiled function (``c`` counts calls in the window):
+    Per call of the compiled function (``c`` counts the batches accumulated
+    in the window):
 
     * ``accu_i := (accu_i if c > 0 else 0) + weight * gradient_i``
     * ``total := (total if c > 0 else 0) + weight``
     * on the `every`-th call: the rule's updates computed from
-      ``grads_i = accu_i / total``, then ``c := 0``; otherwise everything the
-      rule updates keeps its value and ``c := c + 1``.
+      ``grads_i = accu_i / total`` (``average=True``) or ``accu_i``
+      (``average=False``), clipped to `max_norm`, then ``c := 0``; otherwise
+      everything the rule updates keeps its value and ``c := c + 1``.
 
     Parameters
     ----------
@@ -76,21 +84,31 @@ def with_accumulated_gradients(loss_or_grads, params, every, update_rule, *, wei
     params : list of shared variables
         The variables to update.
     every : int
-        Number of calls (mini-batches) per optimizer step; a Python integer,
-        since it fixes the graph. 1 returns the plain rule.
+        Number of batches per optimizer step; a Python integer, since it
+        fixes the graph. 1 returns the plain rule.
     update_rule : callable
         ``update_rule(grads, params, **kwargs)`` returning an update
         dictionary that updates every parameter: any rule of
         :mod:`lasagne_accum.updates` or one of your own.
-    weight : symbolic scalar, optional
+    weight : symbolic scalar or number, optional
         This call's weight in the mean (for example the batch size), so that
         windows of batches of different sizes give the exact mean gradient.
+    average : bool
+        True (default): the rule gets the (weighted) mean over the window;
+        False: the (weighted) sum, as :func:`accumulate_gradients`.
+    max_norm : float or symbolic scalar, optional
+        Clip the accumulated gradient to this total L2 norm, once per window.
+    skip_nonfinite : bool
+        If True, a batch whose weighted gradients contain NaN or inf adds
+        nothing and does not count towards the `every` batches of the window
+        (the window gets longer); ``.skipped`` counts such batches.
     lazy : bool
         True (default): the rule's arithmetic sits behind a lazy ``ifelse``
         and runs on stepping calls only. False: it is selected with
         ``switch`` and computed every call (simpler graph, more work).
     name : str
-        Prefix of the counters' names (``average.count``).
+        Prefix of the counters' names (``average.count``); any other name
+        than the default also prefixes the buffers (``W.enc_grad_accu``).
     **kwargs
         Hyperparameters passed on to `update_rule`.
 
@@ -105,16 +123,19 @@ def with_accumulated_gradients(loss_or_grads, params, every, update_rule, *, wei
     ------
     TypeError
         If `every` is not an integer (or is symbolic), `update_rule` is not
-        callable or does not return a dict.
+        callable or does not return a dict, or an option has the wrong type.
     ValueError
-        If `every` < 1, or the rule's dictionary does not update every param.
+        If `every` < 1, the rule's dictionary does not update every param,
+        or `weight` is 0 or negative (the same checks as
+        :func:`accumulate_gradients`).
 
     Notes
     -----
     Compared with the two-function form (:func:`accumulate_gradients`), there
     is no separate apply call: the step happens inside the N-th call. A
     partial window at the end of an epoch stays buffered and is completed by
-    the next epoch's first calls.
+    the next epoch's first calls. For the same batches both forms give the
+    same parameters, option by option.
 
     Examples
     --------
@@ -132,42 +153,48 @@ def with_accumulated_gradients(loss_or_grads, params, every, update_rule, *, wei
     every = check_every(every, "every")
     if not callable(update_rule):
         raise TypeError(f"update_rule must be callable, got {type(update_rule).__name__}")
-    params = check_params(params)
-    grads = get_or_compute_grads(loss_or_grads, params)
+    if not isinstance(lazy, (bool, np.bool_)):
+        raise TypeError(f"lazy must be True or False, got {lazy!r}")
     if every == 1:
-        if weight is not None:
-            raise ValueError("weight only applies with every > 1")
-        return _checked_rule_updates(update_rule, grads, params, kwargs)
+        options = dict(weight=weight, max_norm=max_norm)
+        given = [k for k, v in options.items() if v is not None]
+        if skip_nonfinite:
+            given.append("skip_nonfinite")
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} only applies with every > 1 (it acts on the window's "
+                "accumulated gradient); with every=1, use the rule directly"
+            )
+        params = check_params(params)
+        grads = get_or_compute_grads(loss_or_grads, params)
+        return check_rule_updates(update_rule, grads, params, kwargs)
 
-    acc_dtypes = [accumulator_dtype(p.type.dtype) for p in params]
-    total_dtype = np.result_type(*acc_dtypes).name if params else "float64"
-    count = scalar_state(f"{name}.count", "int64")
+    core = _GradientBuffer(loss_or_grads, params, average=average, weight=weight,
+                           max_norm=max_norm, skip_nonfinite=skip_nonfinite, name=name,
+                           default_name="average", where="with_accumulated_gradients")
+    params, count, total = core.params, core.count, core.total
     fresh = pt.eq(count, 0)
-    keep = pt.cast(pt.neq(count, 0), total_dtype)
-    c_new = count + 1
+    c_new = count + core.increment
     is_step = pt.eq(c_new, every)
 
     updates = SteppingUpdates()
     updates.is_step, updates.count, updates.every = is_step, count, every
-    mean_grads = []
-    if weight is None:
-        denom = pt.cast(c_new, total_dtype)
+    updates.skipped = core.skipped
+    if total is not None:
+        zero = np.zeros((), total.type.dtype)
+        denominator = pt.switch(fresh, zero, total) + core.added_weight
+        updates[total] = denominator
     else:
-        w = hyperparameter(weight, "weight", total_dtype, low=0)
-        total = scalar_state(f"{name}.total", total_dtype)
-        denom = pt.switch(fresh, w, total + w)
-        updates[total] = denom
-    for i, (p, g, dtype) in enumerate(zip(params, grads, acc_dtypes)):
-        acc = state_like(p, "grad_accu", i, dtype=dtype)
-        g = g if g.type.dtype == dtype else pt.cast(g, dtype)
-        if weight is not None:
-            g = pt.cast(w, dtype) * g
-        acc_new = pt.cast(keep, dtype) * acc + g
+        denominator = c_new
+    sums = []
+    for acc, c in zip(core.accumulators, core.contributions):
+        # the lazy reset: the first call of a window starts from 0
+        acc_new = pt.switch(fresh, np.zeros((), acc.type.dtype), acc) + c
         updates[acc] = acc_new
-        mean = acc_new / pt.cast(denom, dtype)
-        mean_grads.append(mean if dtype == p.type.dtype else pt.cast(mean, p.type.dtype))
+        sums.append(acc_new)
+    mean_grads, updates.norm = core.gradients(sums, denominator)
 
-    rule_updates = _checked_rule_updates(update_rule, mean_grads, params, kwargs)
+    rule_updates = check_rule_updates(update_rule, mean_grads, params, kwargs)
     variables = list(rule_updates.keys())
     new_values = [pt.as_tensor_variable(rule_updates[v]) for v in variables]
     new_values = [
@@ -184,30 +211,8 @@ def with_accumulated_gradients(loss_or_grads, params, every, update_rule, *, wei
     else:
         chosen = [pt.switch(is_step, nv, v) for nv, v in zip(new_values, variables)]
     for v, c in zip(variables, chosen):
+        c.tag.step_signal = is_step  # the step signal survives a copy of the dict
         updates[v] = c
     updates[count] = pt.switch(is_step, pt.constant(np.int64(0)), c_new)
+    core.counter_updates(updates)
     return updates
-
-
-def _checked_rule_updates(update_rule, grads, params, kwargs):
-    rule_name = getattr(update_rule, "__name__", None) or getattr(
-        getattr(update_rule, "func", None), "__name__", repr(update_rule)
-    )
-    result = update_rule(grads, params, **kwargs)
-    if not isinstance(result, Mapping):
-        raise TypeError(
-            f"update_rule {rule_name} returned {type(result).__name__}, not an update "
-            "dictionary; it must return a dict mapping shared variables to new values"
-        )
-    for i, p in enumerate(params):
-        if p not in result:
-            raise ValueError(
-                f"update_rule {rule_name} does not update params[{i}] "
-                f"({param_label(p, i)}); its dictionary must update every parameter"
-            )
-    for var in result:
-        if not isinstance(var, SharedVariable):
-            raise TypeError(
-                f"update_rule {rule_name} returned a key {var!r} that is not a shared variable"
-            )
-    return OrderedDict(result)

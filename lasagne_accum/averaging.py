@@ -13,22 +13,100 @@ from collections import OrderedDict
 import numpy as np
 import pytensor.tensor as pt
 
-from .grads import check_params, hyperparameter, param_label, scalar_state, state_like
+from .grads import (
+    as_host_array,
+    check_int,
+    check_params,
+    hyperparameter,
+    param_label,
+    scalar_state,
+    state_like,
+)
 
-__all__ = ["ModelAverage", "ExponentialMovingAverage"]
+__all__ = ["ModelAverage", "ExponentialMovingAverage", "step_signal"]
+
+_host = as_host_array
 
 
-def _host(value):
-    """A shared value as a numpy array (JAX and torch arrays included)."""
-    if hasattr(value, "detach"):  # torch tensor
-        value = value.detach().cpu().numpy()
-    return np.asarray(value)
+def step_signal(updates, params, is_step=None, who="ModelAverage"):
+    """When does an optimizer step happen? The condition an average is gated by.
+
+    Parameters
+    ----------
+    updates : dict or None
+        The optimizer's update dictionary.
+    params : list of shared variables
+        The averaged parameters.
+    is_step : symbolic boolean scalar, True or None
+        Said explicitly: a symbolic condition (``upd.is_step`` of a
+        single-function dictionary, ``accu.is_step`` of an accumulation), or
+        True for "every call of the function is a step". None: read it from
+        `updates`.
+    who : str
+        Named in error messages.
+
+    Returns
+    -------
+    symbolic scalar or None
+        None when every call is a step.
+
+    Raises
+    ------
+    ValueError
+        If the step signal of `updates` cannot be known: some parameters'
+        new values carry a step signal and others do not, or they carry
+        different ones (pass `is_step` explicitly), or `is_step` is False.
+    TypeError
+        If `is_step` is neither True, None nor a symbolic scalar.
+
+    Notes
+    -----
+    The single-function form (``average=N``) and the rules given
+    ``accu.grads`` record their step signal on each new value they return
+    (``value.tag.step_signal``), so a plain copy of their dictionary
+    (``dict(upd)``) keeps it: the average still advances on optimizer steps
+    only. A dictionary whose values carry no signal is a plain rule's, whose
+    every call is a step.
+    """
+    if is_step is not None:
+        if is_step is True:
+            return None
+        if isinstance(is_step, (bool, np.bool_, int, float)):
+            raise ValueError(
+                f"{who}: is_step must be a symbolic condition or True (every call is a "
+                f"step), got {is_step!r}"
+            )
+        if not hasattr(is_step, "type") or getattr(is_step.type, "ndim", None) != 0:
+            raise TypeError(
+                f"{who}: is_step must be a symbolic scalar condition, got {is_step!r}"
+            )
+        return is_step
+    if updates is None:
+        return None
+    signals = [getattr(getattr(updates[p], "tag", None), "step_signal", None) for p in params]
+    declared = getattr(updates, "is_step", None)
+    distinct = {id(sig): sig for sig in signals if sig is not None}
+    if declared is not None and set(distinct) <= {id(declared)}:
+        return declared
+    if not distinct:
+        return None
+    if len(distinct) == 1 and all(sig is not None for sig in signals):
+        return next(iter(distinct.values()))
+    untagged = [param_label(p, i) for i, (p, sig) in enumerate(zip(params, signals))
+                if sig is None]
+    detail = (f"the new values of {', '.join(untagged)} carry none while others do"
+              if untagged else "the parameters' new values carry different step signals")
+    raise ValueError(
+        f"{who}: cannot tell from updates when an optimizer step happens ({detail}); "
+        "pass is_step= explicitly (upd.is_step of a single-function dictionary, "
+        "accu.is_step of an accumulation, or True if every call is a step)"
+    )
 
 
 class _SwappableAverage:
     """apply()/restore() over averages computed by a subclass's `_averages()`."""
 
-    def __init__(self, params, updates, name, host_mode=None):
+    def __init__(self, params, updates, name, host_mode=None, is_step=None):
         self.params = check_params(params)
         self.host_mode = host_mode
         self._host_fn = None
@@ -48,12 +126,14 @@ class _SwappableAverage:
         # Paddle's averaging op that runs after the optimizer op), else the
         # parameter as it is when the function is called.
         self._values = [updates[p] if updates is not None else p for p in self.params]
-        self._is_step = getattr(updates, "is_step", None)
-        if host_mode is not None:
-            if updates is not None:
+        self._is_step = None
+        if host_mode is None:
+            self._is_step = step_signal(updates, self.params, is_step, type(self).__name__)
+        else:
+            if updates is not None or is_step is not None:
                 raise ValueError(
                     f"{type(self).__name__}: with host_mode the average is advanced by "
-                    "step() after each optimizer step; do not pass updates"
+                    "step() after each optimizer step; do not pass updates or is_step"
                 )
             # The buffers are updated by a function of their own, compiled for
             # the CPU, that takes the parameters' values as inputs.
@@ -93,7 +173,11 @@ class _SwappableAverage:
         """Keep everything unchanged on calls that take no optimizer step."""
         if self._is_step is None:
             return updates
-        return OrderedDict((v, pt.switch(self._is_step, new, v)) for v, new in updates.items())
+        gated = OrderedDict()
+        for v, new in updates.items():
+            gated[v] = pt.switch(self._is_step, new, v)
+            gated[v].tag.step_signal = self._is_step
+        return gated
 
     @property
     def steps(self):
@@ -211,8 +295,15 @@ class ModelAverage(_SwappableAverage):
         The optimizer's update dictionary. When given, each step adds the
         *updated* parameter (``updates[param]``), like Paddle's averaging op,
         which runs after the optimizer op; without it the value before the
-        step is added. A single-function dictionary (``average=N``) also makes
-        the averaging advance on its stepping calls only.
+        step is added. A single-function dictionary (``average=N``), a copy
+        of one, or the guarded dictionary of a rule given ``accu.grads`` also
+        make the averaging advance on optimizer steps only (see `is_step`).
+    is_step : symbolic boolean scalar or True, optional
+        When a step happens, said explicitly: the average advances only on
+        calls where it is true (``upd.is_step``, ``accu.is_step``); True: on
+        every call. Default: read from `updates`, which records it on its
+        values; a dictionary whose step signal cannot be known is refused
+        (ValueError) rather than guessed.
     sum_dtype : str
         dtype of the sums, default float64: with float32 sums the average of a
         long window drifts by about 1e-4 relative (see Notes).
@@ -291,25 +382,19 @@ class ModelAverage(_SwappableAverage):
 
     def __init__(self, params, average_window_rate, min_average_window=10000,
                  max_average_window=10000, *, max_num_accumulates=16384, updates=None,
-                 sum_dtype="float64", host_mode=None, name="model_average"):
-        super().__init__(params, updates, name, host_mode)
+                 is_step=None, sum_dtype="float64", host_mode=None, name="model_average"):
+        super().__init__(params, updates, name, host_mode, is_step)
         rate = float(average_window_rate)
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"average_window_rate must be in [0, 1], got {average_window_rate}")
-        for label, value in (("min_average_window", min_average_window),
-                             ("max_average_window", max_average_window),
-                             ("max_num_accumulates", max_num_accumulates)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"{label} must be an integer, got {value!r}")
-        if min_average_window < 0:
-            raise ValueError(f"min_average_window must be >= 0, got {min_average_window}")
+        min_average_window = check_int(min_average_window, "min_average_window", low=0)
+        max_average_window = check_int(max_average_window, "max_average_window", low=0)
+        max_num_accumulates = check_int(max_num_accumulates, "max_num_accumulates", low=1)
         if min_average_window > max_average_window:
             raise ValueError(
                 f"min_average_window ({min_average_window}) must not exceed "
                 f"max_average_window ({max_average_window})"
             )
-        if max_num_accumulates < 1:
-            raise ValueError(f"max_num_accumulates must be >= 1, got {max_num_accumulates}")
         self.average_window_rate = rate
         self.min_average_window = int(min_average_window)
         self.max_average_window = int(max_average_window)
@@ -380,6 +465,8 @@ class ExponentialMovingAverage(_SwappableAverage):
         The optimizer's update dictionary: the average then takes the updated
         parameters, and a single-function dictionary gates it to stepping
         calls (see :class:`ModelAverage`).
+    is_step : symbolic boolean scalar or True, optional
+        When a step happens, said explicitly (see :class:`ModelAverage`).
     shadow_dtype : str, optional
         dtype of the shadow variables; default float32 at least, the param's
         otherwise.
@@ -410,9 +497,9 @@ class ExponentialMovingAverage(_SwappableAverage):
     array([0.5])
     """
 
-    def __init__(self, params, decay=0.999, *, warmup=False, updates=None, shadow_dtype=None,
-                 host_mode=None, name="ema"):
-        super().__init__(params, updates, name, host_mode)
+    def __init__(self, params, decay=0.999, *, warmup=False, updates=None, is_step=None,
+                 shadow_dtype=None, host_mode=None, name="ema"):
+        super().__init__(params, updates, name, host_mode, is_step)
         self.num_updates = scalar_state(f"{name}.num_updates", "int64")
         self.shadows = []
         for i, p in enumerate(self.params):

@@ -8,11 +8,15 @@ stable name such as ``W1.adam_m`` that checkpoints rely on.
 """
 
 import numbers
+from collections import OrderedDict
+from collections.abc import Mapping
 
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
 from pytensor.compile.sharedvalue import SharedVariable
+from pytensor.gradient import DisconnectedInputError
+from pytensor.graph.traversal import ancestors
 from pytensor.tensor.type import TensorType
 from pytensor.tensor.variable import TensorVariable
 
@@ -25,9 +29,147 @@ __all__ = [
     "hyperparameter",
     "accumulator_dtype",
     "check_every",
+    "check_int",
+    "check_rule_updates",
+    "rule_name",
+    "as_host_array",
 ]
 
 _FLOAT_DTYPES = ("float16", "float32", "float64")
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+def as_host_array(value):
+    """A shared variable's value as a numpy array, wherever it lives.
+
+    Shared values are numpy arrays under the C and Numba backends, JAX arrays
+    after a call compiled with ``mode="JAX"`` and torch tensors with
+    ``mode="PYTORCH"``; this copies device values to the host.
+
+    Examples
+    --------
+    >>> as_host_array([1.0, 2.0])
+    array([1., 2.])
+    """
+    if hasattr(value, "detach"):  # torch tensor
+        value = value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def check_int(value, name, low=1, high=_INT64_MAX):
+    """Return `value` as a Python int in ``[low, high]``, or raise naming `name`.
+
+    Accepts Python and numpy integers; refuses bools, floats, strings and
+    symbolic variables (a count such as ``average=N`` fixes the structure of
+    the graph, so it must be known when the graph is built).
+
+    Parameters
+    ----------
+    value : int
+    name : str
+        The argument's name, for error messages.
+    low : int
+        Smallest allowed value (default 1).
+    high : int
+        Largest allowed value; default the largest int64, the limit of the
+        int64 counters the value is compared with.
+
+    Raises
+    ------
+    TypeError
+        If `value` is not an integer (or is a bool, or symbolic).
+    ValueError
+        If it lies outside ``[low, high]``.
+
+    Examples
+    --------
+    >>> check_int(3, "every")
+    3
+    >>> check_int(0, "every")
+    Traceback (most recent call last):
+    ...
+    ValueError: every must be an integer >= 1, got 0
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        if hasattr(value, "type"):
+            raise TypeError(
+                f"{name} must be a Python integer, not a symbolic variable: the number of "
+                "batches per step fixes the structure of the update dictionary"
+            )
+        raise TypeError(f"{name} must be an integer >= {low}, got {value!r}")
+    value = int(value)
+    if value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(
+            f"{name} must be at most {high} (the limit of the int64 counter it is "
+            f"compared with), got {value}"
+        )
+    return value
+
+
+def rule_name(rule):
+    """The name of an update rule (a function, a partial, any callable) for messages.
+
+    Examples
+    --------
+    >>> from functools import partial
+    >>> rule_name(partial(sorted, reverse=True))
+    'sorted'
+    """
+    name = getattr(rule, "__name__", None)
+    if name is None and hasattr(rule, "func"):
+        return rule_name(rule.func)
+    return name or repr(rule)
+
+
+def check_rule_updates(update_rule, grads, params, kwargs):
+    """Call ``update_rule(grads, params, **kwargs)`` and check what it returns.
+
+    Parameters
+    ----------
+    update_rule : callable
+        Any rule returning an update dictionary (a library rule, a partial of
+        one, a user-written function).
+    grads, params : lists
+        Passed to the rule.
+    kwargs : dict
+        The rule's hyperparameters.
+
+    Returns
+    -------
+    OrderedDict
+        The rule's dictionary, in its order.
+
+    Raises
+    ------
+    TypeError
+        If `update_rule` is not callable, returns something other than a
+        mapping, or a key is not a shared variable.
+    ValueError
+        If the dictionary does not update every parameter.
+    """
+    if not callable(update_rule):
+        raise TypeError(f"update_rule must be callable, got {type(update_rule).__name__}")
+    label = rule_name(update_rule)
+    result = update_rule(grads, params, **dict(kwargs or {}))
+    if not isinstance(result, Mapping):
+        raise TypeError(
+            f"update_rule {label} returned {type(result).__name__}, not an update "
+            "dictionary; it must return a dict mapping shared variables to new values"
+        )
+    for i, p in enumerate(params):
+        if p not in result:
+            raise ValueError(
+                f"update_rule {label} does not update params[{i}] "
+                f"({param_label(p, i)}); its dictionary must update every parameter"
+            )
+    for var in result:
+        if not isinstance(var, SharedVariable):
+            raise TypeError(
+                f"update_rule {label} returned a key {var!r} that is not a shared variable"
+            )
+    return OrderedDict(result)
 
 
 def param_label(param, index=None):
@@ -176,12 +318,28 @@ def get_or_compute_grads(loss_or_grads, params):
             "loss_or_grads must be a scalar loss expression or a list of gradients, "
             f"got {type(loss_or_grads).__name__}"
         )
-    if getattr(loss_or_grads.type, "ndim", None) != 0:
+    ndim = getattr(loss_or_grads.type, "ndim", None)
+    if ndim != 0:
+        hint = "reduce it first (for example with .mean())"
+        if ndim is not None and len(params) == 1 and ndim == params[0].type.ndim:
+            hint = (
+                f"if it is the gradient of {param_label(params[0], 0)}, pass a list with one "
+                f"gradient per parameter ([grad]); if it is a loss, {hint}"
+            )
         raise ValueError(
-            f"the loss must be a scalar, got {loss_or_grads.type}; "
-            "reduce it first (for example with .mean())"
+            f"loss_or_grads must be a scalar loss or a list of gradients; got a single "
+            f"{ndim}-dimensional {loss_or_grads.type} (the loss must be a scalar): {hint}"
         )
-    grads = pytensor.grad(loss_or_grads, params)
+    try:
+        grads = pytensor.grad(loss_or_grads, params)
+    except DisconnectedInputError:
+        inputs = set(ancestors([loss_or_grads]))
+        loose = [f"params[{i}] ({param_label(p, i)})" for i, p in enumerate(params)
+                 if p not in inputs]
+        raise ValueError(
+            f"the loss does not depend on {', '.join(loose) or 'some of the params'}; "
+            "remove it from params (or pass its gradient yourself in a list)"
+        ) from None
     return [_check_grad(g, p, i) for i, (g, p) in enumerate(zip(grads, params))]
 
 
@@ -293,14 +451,5 @@ def hyperparameter(value, name, dtype, *, low=None, high=None, high_open=False):
 
 
 def check_every(every, name="average"):
-    """Return `every` as an int >= 1, or raise naming `name`."""
-    if isinstance(every, (bool, np.bool_)) or not isinstance(every, (int, np.integer)):
-        if hasattr(every, "type"):
-            raise TypeError(
-                f"{name} must be a Python integer, not a symbolic variable: the number of "
-                "batches per step fixes the structure of the update dictionary"
-            )
-        raise TypeError(f"{name} must be an integer >= 1, got {every!r}")
-    if every < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {every}")
-    return int(every)
+    """Return `every` as an int >= 1, or raise naming `name` (see :func:`check_int`)."""
+    return check_int(every, name, low=1)

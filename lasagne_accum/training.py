@@ -8,44 +8,18 @@ accumulate function every batch and the apply function every N-th batch.
 partial window at the end of the epoch.
 """
 
-import sys
-import time
 from collections import OrderedDict
 
 import numpy as np
 import pytensor
 
 from .accumulate import accumulate_gradients
-from .grads import check_every
+from .backends import blas_available, default_modes
+from .grads import check_every, check_rule_updates
+from .progress import Progress
 
 __all__ = ["compile_accumulation", "AccumulationTrainer", "run_epoch", "Progress",
            "default_modes", "blas_available"]
-
-
-def blas_available():
-    """True when PyTensor's C backend links to a BLAS library."""
-    return bool(pytensor.config.blas__ldflags)
-
-
-def default_modes():
-    """The compilation modes the helpers use when none is given.
-
-    Returns
-    -------
-    (accumulate_mode, apply_mode) : tuple of str
-        ``("CVM", "NUMBA")`` when PyTensor's C backend links to a BLAS
-        library, else ``("NUMBA", "NUMBA")``.
-
-    Notes
-    -----
-    Measured in ``benchmarks/backends.py`` on a 784-512-10 MLP: the C backend
-    with BLAS fuses the accumulation ``accu + grad`` into the gradient's
-    matrix product (``Gemm`` in place), making the accumulate step cheaper
-    than PyTensor 3's default Numba backend; Numba's elementwise code makes
-    the rule's apply step several times faster than C's. Each function gets
-    the backend that is fastest for it.
-    """
-    return ("CVM" if blas_available() else "NUMBA"), "NUMBA"
 
 
 class AccumulationTrainer:
@@ -209,9 +183,7 @@ def compile_accumulation(inputs, loss, params, update_rule, rule_kwargs=None, ev
         raise TypeError(f"update_rule must be callable, got {type(update_rule).__name__}")
     acc = accumulate_gradients(loss, params, average=average, weight=weight,
                                max_norm=max_norm, skip_nonfinite=skip_nonfinite)
-    from .averaged import _checked_rule_updates
-
-    apply = _checked_rule_updates(update_rule, acc.grads, acc.params, dict(rule_kwargs or {}))
+    apply = check_rule_updates(update_rule, acc.grads, acc.params, dict(rule_kwargs or {}))
     if callable(extra_apply_updates):
         # e.g. lambda apply: ModelAverage(params, ..., updates=apply).updates, so that
         # the average takes the parameters' values after the step
@@ -233,53 +205,6 @@ def compile_accumulation(inputs, loss, params, update_rule, rule_kwargs=None, ev
     )
     apply_fn = pytensor.function([], [], updates=apply, mode=apply_mode or default_apply)
     return AccumulationTrainer(accumulate_fn, apply_fn, acc, every, apply_updates=apply)
-
-
-class Progress:
-    """Wrap an iterable with a progress bar: tqdm when installed, else plain lines.
-
-    Plain lines go to stderr at most every 5 seconds; ``enabled=False`` shows
-    nothing; tqdm is never required. ``set(text)`` updates the text shown
-    after the count (the current loss, say).
-
-    Examples
-    --------
-    >>> bar = Progress(range(3), desc="epoch 1", enabled=False)
-    >>> [i for i in bar]
-    [0, 1, 2]
-    """
-
-    def __init__(self, iterable, total=None, desc="", enabled=True):
-        self.iterable, self.desc, self.enabled = iterable, desc, enabled
-        self.total = total if total is not None else len(iterable)
-        self.bar, self.postfix = None, ""
-        if enabled:
-            try:
-                from tqdm.auto import tqdm
-            except ImportError:
-                tqdm = None
-            if tqdm is not None:
-                self.bar = tqdm(total=self.total, desc=desc, leave=False, file=sys.stderr)
-
-    def set(self, text):
-        self.postfix = text
-        if self.bar is not None:
-            self.bar.set_postfix_str(text, refresh=False)
-
-    def __iter__(self):
-        last = time.monotonic()
-        try:
-            for n, item in enumerate(self.iterable, 1):
-                yield item
-                if self.bar is not None:
-                    self.bar.update(1)
-                elif self.enabled and time.monotonic() - last > 5:
-                    last = time.monotonic()
-                    print(f"{self.desc}: {n}/{self.total} {self.postfix}", file=sys.stderr,
-                          flush=True)
-        finally:
-            if self.bar is not None:
-                self.bar.close()
 
 
 def run_epoch(trainer, batches, *, progress=True, desc="epoch"):

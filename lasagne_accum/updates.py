@@ -21,6 +21,9 @@ The functions `norm_constraint`, `total_norm_constraint` and
 `get_or_compute_grads` are re-exported here as in Lasagne.
 """
 
+import difflib
+import functools
+import inspect
 from collections import OrderedDict
 from functools import partial
 
@@ -62,10 +65,17 @@ def _build(rule, core, loss_or_grads, params, average, weight, hyper):
 
     Returns a partial of `rule` when both `loss_or_grads` and `params` are
     omitted, routes ``average > 1`` to the accumulating wrapper, and otherwise
-    checks the inputs and calls ``core(grads, params, **hyper)``.
+    checks the inputs and calls ``core(grads, params, **hyper)``. `hyper`
+    holds the rule's hyperparameters and its ``name``.
+
+    When `loss_or_grads` is the ``.grads`` of an :func:`accumulate_gradients`
+    result, the rule's updates are guarded (:meth:`Accumulation.guard`): an
+    apply function built from them changes nothing on an empty window.
     """
     if loss_or_grads is None and params is None:
         extra = {} if (average == 1 and weight is None) else {"average": average, "weight": weight}
+        if hyper.get("name") is None:
+            hyper = {k: v for k, v in hyper.items() if k != "name"}
         return partial(rule, **hyper, **extra)
     if loss_or_grads is None or params is None:
         missing = "loss_or_grads" if loss_or_grads is None else "params"
@@ -77,8 +87,12 @@ def _build(rule, core, loss_or_grads, params, average, weight, hyper):
     if every > 1:
         from .averaged import with_accumulated_gradients
 
+        hyper = dict(hyper)
+        name = hyper.pop("name", None)
+        update_rule = rule if name is None else partial(rule, name=name)
         return with_accumulated_gradients(
-            loss_or_grads, params, every, rule, weight=weight, **hyper
+            loss_or_grads, params, every, update_rule, weight=weight,
+            name="average" if name is None else name, **hyper
         )
     if weight is not None:
         raise ValueError(
@@ -87,7 +101,56 @@ def _build(rule, core, loss_or_grads, params, average, weight, hyper):
         )
     params = check_params(params)
     grads = get_or_compute_grads(loss_or_grads, params)
-    return core(grads, params, **hyper)
+    updates = core(grads, params, **hyper)
+    # accu.grads of the two-function form: no step on an empty window
+    accumulation = getattr(loss_or_grads, "accumulation", None)
+    return updates if accumulation is None else accumulation.guard(updates)
+
+
+_KEYWORD_ALIASES = {"lr": "learning_rate", "eta": "learning_rate", "eps": "epsilon",
+                    "beta_1": "beta1", "beta_2": "beta2", "b1": "beta1", "b2": "beta2",
+                    "mu": "momentum", "decay": "rho", "every": "average", "n": "average"}
+
+
+def _rule(fn):
+    """Mark a public rule: an unknown keyword gets a suggestion (``lr`` -> ``learning_rate``)."""
+    known = list(inspect.signature(fn).parameters)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        for key in kwargs:
+            if key not in known:
+                guess = _KEYWORD_ALIASES.get(key)
+                if guess not in known:
+                    close = difflib.get_close_matches(key, known, n=1)
+                    guess = close[0] if close else None
+                hint = (f"did you mean {guess}=?" if guess
+                        else f"its keywords are {', '.join(known)}")
+                raise TypeError(
+                    f"{fn.__name__}() got an unexpected keyword argument '{key}'; {hint}"
+                )
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _state_suffix(name, default, what):
+    """``W.<suffix>``: ``adam_m`` by default, ``enc_m`` with ``name="enc"``."""
+    if name is None:
+        return f"{default}_{what}"
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty string, got {name!r}")
+    return f"{name}_{what}"
+
+
+def _compute_dtype(param):
+    """dtype of a rule's arithmetic and state: the param's, float32 for float16.
+
+    float16 has too little range and precision for optimizer state (Adam's
+    epsilon 1e-8 is 0 in float16, its squared gradients underflow), so a
+    float16 parameter is updated in float32 and the result cast back.
+    """
+    return accumulator_dtype(param.type.dtype)
 
 
 def _require(value, name, rule):
@@ -97,7 +160,10 @@ def _require(value, name, rule):
 
 
 def _timestep_dtype(params):
-    """dtype of a rule's step counter: float32 for float16/32 models, else float64."""
+    """dtype of the bias-correction arithmetic: float32 for float16/32 models, else float64.
+
+    The step counter itself is an int64 (``adam.t``), cast to this dtype where used.
+    """
     if not params:
         return "float64"
     return np.result_type(*[accumulator_dtype(p.type.dtype) for p in params]).name
@@ -110,16 +176,22 @@ def _cast(x, dtype):
 # --------------------------------------------------------------------------- sgd
 
 
-def _sgd(grads, params, learning_rate):
+def _sgd(grads, params, learning_rate, name=None, cast_back=True):
     _require(learning_rate, "learning_rate", "sgd")
+    _state_suffix(name, "sgd", "")  # sgd has no state; the name is checked all the same
     updates = OrderedDict()
     for param, grad in zip(params, grads):
-        lr = hyperparameter(learning_rate, "learning_rate", param.type.dtype, low=0)
-        updates[param] = param - lr * grad
+        dtype = _compute_dtype(param)
+        lr = hyperparameter(learning_rate, "learning_rate", dtype, low=0)
+        new = _cast(param, dtype) - lr * _cast(grad, dtype)
+        # momentum adds its velocity to the float32 value of a float16 param
+        updates[param] = _cast(new, param.type.dtype) if cast_back else new
     return updates
 
 
-def sgd(loss_or_grads=None, params=None, learning_rate=None, *, average=1, weight=None):
+@_rule
+def sgd(loss_or_grads=None, params=None, learning_rate=None, *, average=1, weight=None,
+        name=None):
     """Stochastic Gradient Descent (SGD) updates.
 
     * ``param := param - learning_rate * gradient``
@@ -138,6 +210,8 @@ def sgd(loss_or_grads=None, params=None, learning_rate=None, *, average=1, weigh
     weight : symbolic scalar, optional
         With ``average > 1``: this call's weight in the mean (for example the
         batch size), so that batches of different sizes average exactly.
+    name : str, optional
+        Accepted for uniformity with the other rules (SGD has no state).
 
     Returns
     -------
@@ -154,7 +228,7 @@ def sgd(loss_or_grads=None, params=None, learning_rate=None, *, average=1, weigh
     array([0.5, 1. ])
     """
     return _build(sgd, _sgd, loss_or_grads, params, average, weight,
-                  dict(learning_rate=learning_rate))
+                  dict(learning_rate=learning_rate, name=name))
 
 
 # ---------------------------------------------------------------------- momentum
@@ -171,7 +245,8 @@ def _updated(updates, params, rule):
     return updates, params
 
 
-def apply_momentum(updates, params=None, momentum=0.9):
+@_rule
+def apply_momentum(updates, params=None, momentum=0.9, *, name=None):
     """Return a modified update dictionary including momentum.
 
     Generates update expressions of the form:
@@ -188,6 +263,9 @@ def apply_momentum(updates, params=None, momentum=0.9):
     momentum : float or symbolic scalar
         The amount of momentum to apply. Higher momentum results in smoothing
         over more update steps. Default 0.9.
+    name : str, optional
+        Replaces ``momentum`` in the velocities' names (``W.enc_velocity``
+        with ``name="enc"``; default ``W.momentum_velocity``).
 
     Returns
     -------
@@ -208,17 +286,20 @@ def apply_momentum(updates, params=None, momentum=0.9):
     ['w', 'w.momentum_velocity']
     """
     updates, params = _updated(updates, params, "apply_momentum")
+    suffix = _state_suffix(name, "momentum", "velocity")
     for i, param in enumerate(params):
-        mom = hyperparameter(momentum, "momentum", param.type.dtype, low=0, high=1)
-        velocity = state_like(param, "momentum_velocity", i)
-        x = mom * velocity + updates[param]
-        updates[velocity] = x - param
-        updates[param] = x
+        dtype = _compute_dtype(param)
+        mom = hyperparameter(momentum, "momentum", dtype, low=0, high=1)
+        velocity = state_like(param, suffix, i, dtype=dtype)
+        x = mom * velocity + _cast(pt.as_tensor_variable(updates[param]), dtype)
+        updates[velocity] = x - _cast(param, dtype)
+        updates[param] = _cast(x, param.type.dtype)
     return updates
 
 
+@_rule
 def momentum(loss_or_grads=None, params=None, learning_rate=None, momentum=0.9, *,
-             average=1, weight=None):
+             average=1, weight=None, name=None):
     """Stochastic Gradient Descent (SGD) updates with momentum.
 
     * ``velocity := momentum * velocity - learning_rate * gradient``
@@ -241,6 +322,10 @@ def momentum(loss_or_grads=None, params=None, learning_rate=None, momentum=0.9, 
         momentum=0.999, average=5)`` is the seed discussion's call.
     weight : symbolic scalar, optional
         With ``average > 1``: this call's weight in the mean.
+    name : str, optional
+        Replaces the rule's name in its state variables' names (``W.enc_m``,
+        ``enc.t`` with ``name="enc"``), so that two optimizers in one graph get
+        stable names; default: the rule's name (``W.adam_m``, ``adam.t``).
 
     Returns
     -------
@@ -262,18 +347,20 @@ def momentum(loss_or_grads=None, params=None, learning_rate=None, momentum=0.9, 
     array([0.54])
     """
     return _build(_momentum_public, _momentum, loss_or_grads, params, average, weight,
-                  dict(learning_rate=learning_rate, momentum=momentum))
+                  dict(learning_rate=learning_rate, momentum=momentum, name=name))
 
 
-def _momentum(grads, params, learning_rate, momentum):
+def _momentum(grads, params, learning_rate, momentum, name=None):
     _require(learning_rate, "learning_rate", "momentum")
-    return apply_momentum(_sgd(grads, params, learning_rate), params, momentum)
+    return apply_momentum(_sgd(grads, params, learning_rate, cast_back=False), params, momentum,
+                          name=name)
 
 
 _momentum_public = momentum
 
 
-def apply_nesterov_momentum(updates, params=None, momentum=0.9):
+@_rule
+def apply_nesterov_momentum(updates, params=None, momentum=0.9, *, name=None):
     """Return a modified update dictionary including Nesterov momentum.
 
     Generates update expressions of the form:
@@ -289,6 +376,9 @@ def apply_nesterov_momentum(updates, params=None, momentum=0.9):
         The variables to apply momentum to. If omitted, all keys of `updates`.
     momentum : float or symbolic scalar
         The amount of momentum to apply. Default 0.9.
+    name : str, optional
+        Replaces ``momentum`` in the velocities' names (``W.enc_velocity``
+        with ``name="enc"``; default ``W.momentum_velocity``).
 
     Returns
     -------
@@ -315,17 +405,21 @@ def apply_nesterov_momentum(updates, params=None, momentum=0.9):
     ['w', 'w.momentum_velocity']
     """
     updates, params = _updated(updates, params, "apply_nesterov_momentum")
+    suffix = _state_suffix(name, "momentum", "velocity")
     for i, param in enumerate(params):
-        mom = hyperparameter(momentum, "momentum", param.type.dtype, low=0, high=1)
-        velocity = state_like(param, "momentum_velocity", i)
-        x = mom * velocity + updates[param] - param
+        dtype = _compute_dtype(param)
+        mom = hyperparameter(momentum, "momentum", dtype, low=0, high=1)
+        velocity = state_like(param, suffix, i, dtype=dtype)
+        new = _cast(pt.as_tensor_variable(updates[param]), dtype)
+        x = mom * velocity + new - _cast(param, dtype)
         updates[velocity] = x
-        updates[param] = mom * x + updates[param]
+        updates[param] = _cast(mom * x + new, param.type.dtype)
     return updates
 
 
+@_rule
 def nesterov_momentum(loss_or_grads=None, params=None, learning_rate=None, momentum=0.9, *,
-                      average=1, weight=None):
+                      average=1, weight=None, name=None):
     """Stochastic Gradient Descent (SGD) updates with Nesterov momentum.
 
     * ``velocity := momentum * velocity - learning_rate * gradient``
@@ -346,6 +440,10 @@ def nesterov_momentum(loss_or_grads=None, params=None, learning_rate=None, momen
         `average`-th call only (default 1).
     weight : symbolic scalar, optional
         With ``average > 1``: this call's weight in the mean.
+    name : str, optional
+        Replaces the rule's name in its state variables' names (``W.enc_m``,
+        ``enc.t`` with ``name="enc"``), so that two optimizers in one graph get
+        stable names; default: the rule's name (``W.adam_m``, ``adam.t``).
 
     Returns
     -------
@@ -366,12 +464,13 @@ def nesterov_momentum(loss_or_grads=None, params=None, learning_rate=None, momen
     array([0.7])
     """
     return _build(_nesterov_public, _nesterov, loss_or_grads, params, average, weight,
-                  dict(learning_rate=learning_rate, momentum=momentum))
+                  dict(learning_rate=learning_rate, momentum=momentum, name=name))
 
 
-def _nesterov(grads, params, learning_rate, momentum):
+def _nesterov(grads, params, learning_rate, momentum, name=None):
     _require(learning_rate, "learning_rate", "nesterov_momentum")
-    return apply_nesterov_momentum(_sgd(grads, params, learning_rate), params, momentum)
+    return apply_nesterov_momentum(_sgd(grads, params, learning_rate, cast_back=False), params,
+                                   momentum, name=name)
 
 
 _nesterov_public = nesterov_momentum
@@ -380,21 +479,25 @@ _nesterov_public = nesterov_momentum
 # ------------------------------------------------------------ adaptive rates
 
 
-def _adagrad(grads, params, learning_rate, epsilon):
+def _adagrad(grads, params, learning_rate, epsilon, name=None):
     updates = OrderedDict()
+    suffix = _state_suffix(name, "adagrad", "accu")
     for i, (param, grad) in enumerate(zip(params, grads)):
-        dtype = param.type.dtype
+        dtype = _compute_dtype(param)
+        grad = _cast(grad, dtype)
         lr = hyperparameter(learning_rate, "learning_rate", dtype, low=0)
         eps = hyperparameter(epsilon, "epsilon", dtype, low=0)
-        accu = state_like(param, "adagrad_accu", i)
+        accu = state_like(param, suffix, i, dtype=dtype)
         accu_new = accu + grad ** 2
         updates[accu] = accu_new
-        updates[param] = param - (lr * grad / pt.sqrt(accu_new + eps))
+        new = _cast(param, dtype) - (lr * grad / pt.sqrt(accu_new + eps))
+        updates[param] = _cast(new, param.type.dtype)
     return updates
 
 
+@_rule
 def adagrad(loss_or_grads=None, params=None, learning_rate=1.0, epsilon=1e-6, *,
-            average=1, weight=None):
+            average=1, weight=None, name=None):
     """Adagrad updates.
 
     Scale learning rates by dividing with the square root of accumulated
@@ -420,6 +523,10 @@ def adagrad(loss_or_grads=None, params=None, learning_rate=1.0, epsilon=1e-6, *,
         `average`-th call only (default 1).
     weight : symbolic scalar, optional
         With ``average > 1``: this call's weight in the mean.
+    name : str, optional
+        Replaces the rule's name in its state variables' names (``W.enc_m``,
+        ``enc.t`` with ``name="enc"``), so that two optimizers in one graph get
+        stable names; default: the rule's name (``W.adam_m``, ``adam.t``).
 
     Returns
     -------
@@ -448,25 +555,29 @@ def adagrad(loss_or_grads=None, params=None, learning_rate=1.0, epsilon=1e-6, *,
     array([0.9])
     """
     return _build(adagrad, _adagrad, loss_or_grads, params, average, weight,
-                  dict(learning_rate=learning_rate, epsilon=epsilon))
+                  dict(learning_rate=learning_rate, epsilon=epsilon, name=name))
 
 
-def _rmsprop(grads, params, learning_rate, rho, epsilon):
+def _rmsprop(grads, params, learning_rate, rho, epsilon, name=None):
     updates = OrderedDict()
+    suffix = _state_suffix(name, "rmsprop", "accu")
     for i, (param, grad) in enumerate(zip(params, grads)):
-        dtype = param.type.dtype
+        dtype = _compute_dtype(param)
+        grad = _cast(grad, dtype)
         lr = hyperparameter(learning_rate, "learning_rate", dtype, low=0)
         r = hyperparameter(rho, "rho", dtype, low=0, high=1)
         eps = hyperparameter(epsilon, "epsilon", dtype, low=0)
-        accu = state_like(param, "rmsprop_accu", i)
+        accu = state_like(param, suffix, i, dtype=dtype)
         accu_new = r * accu + (1 - r) * grad ** 2
         updates[accu] = accu_new
-        updates[param] = param - (lr * grad / pt.sqrt(accu_new + eps))
+        new = _cast(param, dtype) - (lr * grad / pt.sqrt(accu_new + eps))
+        updates[param] = _cast(new, param.type.dtype)
     return updates
 
 
+@_rule
 def rmsprop(loss_or_grads=None, params=None, learning_rate=1.0, rho=0.9, epsilon=1e-6, *,
-            average=1, weight=None):
+            average=1, weight=None, name=None):
     """RMSProp updates.
 
     Scale learning rates by dividing with the moving average of the root mean
@@ -494,6 +605,10 @@ def rmsprop(loss_or_grads=None, params=None, learning_rate=1.0, rho=0.9, epsilon
         `average`-th call only (default 1).
     weight : symbolic scalar, optional
         With ``average > 1``: this call's weight in the mean.
+    name : str, optional
+        Replaces the rule's name in its state variables' names (``W.enc_m``,
+        ``enc.t`` with ``name="enc"``), so that two optimizers in one graph get
+        stable names; default: the rule's name (``W.adam_m``, ``adam.t``).
 
     Returns
     -------
@@ -521,28 +636,32 @@ def rmsprop(loss_or_grads=None, params=None, learning_rate=1.0, rho=0.9, epsilon
     array([0.8])
     """
     return _build(rmsprop, _rmsprop, loss_or_grads, params, average, weight,
-                  dict(learning_rate=learning_rate, rho=rho, epsilon=epsilon))
+                  dict(learning_rate=learning_rate, rho=rho, epsilon=epsilon, name=name))
 
 
-def _adadelta(grads, params, learning_rate, rho, epsilon):
+def _adadelta(grads, params, learning_rate, rho, epsilon, name=None):
     updates = OrderedDict()
+    suffix = _state_suffix(name, "adadelta", "accu")
+    delta_suffix = _state_suffix(name, "adadelta", "delta_accu")
     for i, (param, grad) in enumerate(zip(params, grads)):
-        dtype = param.type.dtype
+        dtype = _compute_dtype(param)
+        grad = _cast(grad, dtype)
         lr = hyperparameter(learning_rate, "learning_rate", dtype, low=0)
         r = hyperparameter(rho, "rho", dtype, low=0, high=1)
         eps = hyperparameter(epsilon, "epsilon", dtype, low=0)
-        accu = state_like(param, "adadelta_accu", i)
-        delta_accu = state_like(param, "adadelta_delta_accu", i)
+        accu = state_like(param, suffix, i, dtype=dtype)
+        delta_accu = state_like(param, delta_suffix, i, dtype=dtype)
         accu_new = r * accu + (1 - r) * grad ** 2
         updates[accu] = accu_new
         update = grad * pt.sqrt(delta_accu + eps) / pt.sqrt(accu_new + eps)
-        updates[param] = param - lr * update
+        updates[param] = _cast(_cast(param, dtype) - lr * update, param.type.dtype)
         updates[delta_accu] = r * delta_accu + (1 - r) * update ** 2
     return updates
 
 
+@_rule
 def adadelta(loss_or_grads=None, params=None, learning_rate=1.0, rho=0.95, epsilon=1e-6, *,
-             average=1, weight=None):
+             average=1, weight=None, name=None):
     """Adadelta updates.
 
     Scale learning rates by the ratio of accumulated gradients to accumulated
@@ -571,6 +690,10 @@ def adadelta(loss_or_grads=None, params=None, learning_rate=1.0, rho=0.95, epsil
         `average`-th call only (default 1).
     weight : symbolic scalar, optional
         With ``average > 1``: this call's weight in the mean.
+    name : str, optional
+        Replaces the rule's name in its state variables' names (``W.enc_m``,
+        ``enc.t`` with ``name="enc"``), so that two optimizers in one graph get
+        stable names; default: the rule's name (``W.adam_m``, ``adam.t``).
 
     Returns
     -------
@@ -600,18 +723,22 @@ def adadelta(loss_or_grads=None, params=None, learning_rate=1.0, rho=0.95, epsil
     ['w.adadelta_accu', 'w', 'w.adadelta_delta_accu']
     """
     return _build(adadelta, _adadelta, loss_or_grads, params, average, weight,
-                  dict(learning_rate=learning_rate, rho=rho, epsilon=epsilon))
+                  dict(learning_rate=learning_rate, rho=rho, epsilon=epsilon, name=name))
 
 
 # ------------------------------------------------------------ adam family
 
 
-def _adam_family(grads, params, learning_rate, beta1, beta2, epsilon, kind):
+def _adam_family(grads, params, learning_rate, beta1, beta2, epsilon, kind, name=None):
     """Adam, Adamax and AMSGrad share a timestep and the first moment."""
+    prefix = kind if name is None else name
+    _state_suffix(name, kind, "m")  # checks name
     t_dtype = _timestep_dtype(params)
-    t_prev = scalar_state(f"{kind}.t", t_dtype)
+    # An int64 step counter: a float32 one stops counting at 2**24 steps.
+    t_prev = scalar_state(f"{prefix}.t", "int64")
     one = pt.constant(np.asarray(1, dtype=t_dtype))
-    t = t_prev + one
+    t_next = t_prev + np.int64(1)
+    t = pt.cast(t_next, t_dtype)
     lr_t = hyperparameter(learning_rate, "learning_rate", t_dtype, low=0)
     b1_t = hyperparameter(beta1, "beta1", t_dtype, low=0, high=1, high_open=True)
     b2_t = hyperparameter(beta2, "beta2", t_dtype, low=0, high=1)
@@ -622,47 +749,49 @@ def _adam_family(grads, params, learning_rate, beta1, beta2, epsilon, kind):
 
     updates = OrderedDict()
     for i, (param, g_t) in enumerate(zip(params, grads)):
-        dtype = param.type.dtype
+        dtype = _compute_dtype(param)
+        g_t = _cast(g_t, dtype)
         b1 = hyperparameter(beta1, "beta1", dtype)
         b2 = hyperparameter(beta2, "beta2", dtype)
         eps = hyperparameter(epsilon, "epsilon", dtype, low=0)
         a = _cast(a_t, dtype)
-        m_prev = state_like(param, f"{kind}_m", i)
+        m_prev = state_like(param, f"{prefix}_m", i, dtype=dtype)
         m_t = b1 * m_prev + (1 - b1) * g_t
         updates[m_prev] = m_t
         if kind == "adamax":
-            u_prev = state_like(param, "adamax_u", i)
+            u_prev = state_like(param, f"{prefix}_u", i, dtype=dtype)
             u_t = pt.maximum(b2 * u_prev, abs(g_t))
             updates[u_prev] = u_t
             step = a * m_t / (u_t + eps)
         else:
-            v_prev = state_like(param, f"{kind}_v", i)
+            v_prev = state_like(param, f"{prefix}_v", i, dtype=dtype)
             v_t = b2 * v_prev + (1 - b2) * g_t ** 2
             updates[v_prev] = v_t
             if kind == "amsgrad":
-                v_hat_prev = state_like(param, "amsgrad_vhat", i)
+                v_hat_prev = state_like(param, f"{prefix}_vhat", i, dtype=dtype)
                 v_t = pt.maximum(v_hat_prev, v_t)
                 updates[v_hat_prev] = v_t
             step = a * m_t / (pt.sqrt(v_t) + eps)
-        updates[param] = param - step
-    updates[t_prev] = t
+        updates[param] = _cast(_cast(param, dtype) - step, param.type.dtype)
+    updates[t_prev] = t_next
     return updates
 
 
-def _adam(grads, params, learning_rate, beta1, beta2, epsilon):
-    return _adam_family(grads, params, learning_rate, beta1, beta2, epsilon, "adam")
+def _adam(grads, params, learning_rate, beta1, beta2, epsilon, name=None):
+    return _adam_family(grads, params, learning_rate, beta1, beta2, epsilon, "adam", name)
 
 
-def _adamax(grads, params, learning_rate, beta1, beta2, epsilon):
-    return _adam_family(grads, params, learning_rate, beta1, beta2, epsilon, "adamax")
+def _adamax(grads, params, learning_rate, beta1, beta2, epsilon, name=None):
+    return _adam_family(grads, params, learning_rate, beta1, beta2, epsilon, "adamax", name)
 
 
-def _amsgrad(grads, params, learning_rate, beta1, beta2, epsilon):
-    return _adam_family(grads, params, learning_rate, beta1, beta2, epsilon, "amsgrad")
+def _amsgrad(grads, params, learning_rate, beta1, beta2, epsilon, name=None):
+    return _adam_family(grads, params, learning_rate, beta1, beta2, epsilon, "amsgrad", name)
 
 
+@_rule
 def adam(loss_or_grads=None, params=None, learning_rate=0.001, beta1=0.9, beta2=0.999,
-         epsilon=1e-8, *, average=1, weight=None):
+         epsilon=1e-8, *, average=1, weight=None, name=None):
     """Adam updates.
 
     Adam updates implemented as in [1]_:
@@ -695,6 +824,10 @@ def adam(loss_or_grads=None, params=None, learning_rate=0.001, beta1=0.9, beta2=
         `average`-th call only (default 1); the timestep then counts steps.
     weight : symbolic scalar, optional
         With ``average > 1``: this call's weight in the mean.
+    name : str, optional
+        Replaces the rule's name in its state variables' names (``W.enc_m``,
+        ``enc.t`` with ``name="enc"``), so that two optimizers in one graph get
+        stable names; default: the rule's name (``W.adam_m``, ``adam.t``).
 
     Returns
     -------
@@ -725,11 +858,12 @@ def adam(loss_or_grads=None, params=None, learning_rate=0.001, beta1=0.9, beta2=
     array([ 0.9, -0.9])
     """
     return _build(adam, _adam, loss_or_grads, params, average, weight,
-                  dict(learning_rate=learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon))
+                  dict(learning_rate=learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon, name=name))
 
 
+@_rule
 def adamax(loss_or_grads=None, params=None, learning_rate=0.002, beta1=0.9, beta2=0.999,
-           epsilon=1e-8, *, average=1, weight=None):
+           epsilon=1e-8, *, average=1, weight=None, name=None):
     """Adamax updates.
 
     Adamax updates implemented as in [1]_. This is a variant of the Adam
@@ -763,6 +897,10 @@ def adamax(loss_or_grads=None, params=None, learning_rate=0.002, beta1=0.9, beta
         average=5)`` is the seed discussion's call.
     weight : symbolic scalar, optional
         With ``average > 1``: this call's weight in the mean.
+    name : str, optional
+        Replaces the rule's name in its state variables' names (``W.enc_m``,
+        ``enc.t`` with ``name="enc"``), so that two optimizers in one graph get
+        stable names; default: the rule's name (``W.adam_m``, ``adam.t``).
 
     Returns
     -------
@@ -785,11 +923,12 @@ def adamax(loss_or_grads=None, params=None, learning_rate=0.002, beta1=0.9, beta
     array([ 0.9, -0.9])
     """
     return _build(adamax, _adamax, loss_or_grads, params, average, weight,
-                  dict(learning_rate=learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon))
+                  dict(learning_rate=learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon, name=name))
 
 
+@_rule
 def amsgrad(loss_or_grads=None, params=None, learning_rate=0.001, beta1=0.9, beta2=0.999,
-            epsilon=1e-8, *, average=1, weight=None):
+            epsilon=1e-8, *, average=1, weight=None, name=None):
     """AMSGrad updates.
 
     AMSGrad updates implemented as in [1]_: Adam with the maximum of all
@@ -823,6 +962,10 @@ def amsgrad(loss_or_grads=None, params=None, learning_rate=0.001, beta1=0.9, bet
         `average`-th call only (default 1).
     weight : symbolic scalar, optional
         With ``average > 1``: this call's weight in the mean.
+    name : str, optional
+        Replaces the rule's name in its state variables' names (``W.enc_m``,
+        ``enc.t`` with ``name="enc"``), so that two optimizers in one graph get
+        stable names; default: the rule's name (``W.adam_m``, ``adam.t``).
 
     Returns
     -------
@@ -844,4 +987,4 @@ def amsgrad(loss_or_grads=None, params=None, learning_rate=0.001, beta1=0.9, bet
     ['w.amsgrad_m', 'w.amsgrad_v', 'w.amsgrad_vhat', 'w', 'amsgrad.t']
     """
     return _build(amsgrad, _amsgrad, loss_or_grads, params, average, weight,
-                  dict(learning_rate=learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon))
+                  dict(learning_rate=learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon, name=name))

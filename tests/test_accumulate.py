@@ -22,22 +22,20 @@ from hypothesis import strategies as st
 import lasagne_accum as L
 from lasagne_accum import Accumulation, accumulate_gradients, reset
 
-RULES = OrderedDict(
-    sgd=dict(learning_rate=0.1),
-    momentum=dict(learning_rate=0.05, momentum=0.9),
-    nesterov_momentum=dict(learning_rate=0.05, momentum=0.9),
-    adagrad=dict(learning_rate=0.1),
-    rmsprop=dict(learning_rate=0.01),
-    adadelta=dict(learning_rate=1.0),
-    adam=dict(learning_rate=0.01),
-    adamax=dict(learning_rate=0.01),
-    amsgrad=dict(learning_rate=0.01),
+from reference import (  # tests/reference.py: tests/ is on sys.path under pytest
+    B0,
+    N_IN,
+    N_OUT,
+    RULES,
+    W0,
+    Model,
+    assert_close,
+    by_name,
+    concat,
+    make_batch,
+    np_grads,
+    zero,
 )
-TOL = {"float64": dict(rtol=1e-10, atol=1e-13), "float32": dict(rtol=1e-5, atol=1e-6)}
-N_IN, N_OUT = 3, 4
-_INIT = np.random.default_rng(1234)
-W0 = 0.5 * _INIT.normal(size=(N_IN, N_OUT))
-B0 = 0.1 * _INIT.normal(size=N_OUT)
 
 PROP = settings(max_examples=10, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
@@ -46,61 +44,9 @@ PROP = settings(max_examples=10, deadline=None, database=None,
 # ----------------------------------------------------------------- helpers
 
 
-class Model:
-    """tanh(X W + b) regressed on Y; loss = mean over examples of the squared error."""
-
-    def __init__(self, dtype="float64", w_dtype=None, b_dtype=None):
-        self.dtype = dtype
-        self.W = pytensor.shared(W0.astype(w_dtype or dtype), name="W")
-        self.b = pytensor.shared(B0.astype(b_dtype or dtype), name="b")
-        self.params = [self.W, self.b]
-        self.X = pt.matrix("X", dtype=dtype)
-        self.Y = pt.matrix("Y", dtype=dtype)
-        pred = pt.tanh(pt.dot(self.X, self.W) + self.b)
-        self.loss = pt.mean(pt.sum((pred - self.Y) ** 2, axis=1))
-
-    def reset_params(self):
-        self.W.set_value(W0.astype(self.W.type.dtype))
-        self.b.set_value(B0.astype(self.b.type.dtype))
-
-
-def zero(variables):
-    for v in variables:
-        v.set_value(np.zeros_like(v.get_value()))
-
-
-def make_batch(rng, size, dtype="float64"):
-    X = rng.normal(size=(size, N_IN)).astype(dtype)
-    Y = rng.uniform(-0.9, 0.9, size=(size, N_OUT)).astype(dtype)
-    return X, Y
-
-
-def concat(batches):
-    return (np.concatenate([b[0] for b in batches]), np.concatenate([b[1] for b in batches]))
-
-
-def np_grads(W, b, X, Y):
-    """Analytic gradient of the model's mean squared error (float64)."""
-    W, b, X, Y = (np.asarray(a, dtype=np.float64) for a in (W, b, X, Y))
-    h = np.tanh(X @ W + b)
-    dz = 2.0 * (h - Y) * (1.0 - h ** 2) / len(X)
-    return [X.T @ dz, dz.sum(axis=0)]
-
-
-def by_name(variables):
-    out = {v.name: v for v in variables}
-    assert len(out) == len(variables), [v.name for v in variables]
-    return out
-
-
 def assert_same_values(actual, expected, dtype, what=""):
     """Compare two {name: shared} dicts of the same names value by value."""
-    assert sorted(actual) == sorted(expected), what
-    for name in expected:
-        a, e = actual[name].get_value(), expected[name].get_value()
-        assert a.dtype == e.dtype, f"{what} {name}"
-        assert np.all(np.isfinite(a)), f"{what} {name}"
-        np.testing.assert_allclose(a, e, err_msg=f"{what} {name}", **TOL[dtype])
+    assert_close(actual, expected, dtype, what)
 
 
 _CACHE = {}
@@ -377,13 +323,14 @@ def test_guard_makes_empty_apply_a_noop():
         np.testing.assert_array_equal(value, before[name], err_msg=name)
 
 
-def test_unguarded_empty_apply_gives_nan():
-    """Documents why guard() exists: 0 / 0 on an empty window."""
+def test_unguarded_empty_apply_changes_nothing():
+    """Was: 0 / 0 on an empty window turned W NaN. A rule given accu.grads is guarded."""
     m = Model()
     acc = accumulate_gradients(m.loss, m.params, weight=m.X.shape[0])
     upd = L.sgd(acc.grads, m.params, learning_rate=0.1)
     pytensor.function([], [], updates=upd)()
-    assert np.all(np.isnan(m.W.get_value()))
+    np.testing.assert_array_equal(m.W.get_value(), W0)
+    np.testing.assert_array_equal(m.b.get_value(), B0)
 
 
 # ------------------------------------------------------------ 6. max_norm
@@ -585,3 +532,86 @@ def test_equivalence_under_cvm(rule):
         run_window(s, [make_batch(rng, k) for k in sizes])
         check_against_reference(s, "float64", f"{rule} CVM {sizes}")
         assert_buffers_zero(s["acc"])
+
+
+# ------------------------------------------- 16. safe by default (issue 11)
+
+
+def test_readme_two_function_recipe_is_safe_on_an_empty_window():
+    """The README's recipe, unguarded: an empty window changes nothing (was: NaN for good)."""
+    m = Model()
+    x, y = m.X, m.Y
+    loss, params = m.loss, m.params
+    accu, reset_ = accumulate_gradients(loss, params, weight=x.shape[0])
+    apply = L.adam(accu.grads, params, learning_rate=1e-3)
+    apply.update(reset_)
+    step_fn = pytensor.function([x, y], loss, updates=accu)
+    apply_fn = pytensor.function([], [], updates=apply)
+    state = by_name([v for v in apply if v not in params and v.name.startswith(("W.", "b.",
+                                                                                  "adam"))])
+    state = {k: v for k, v in state.items() if "grad_accu" not in k}
+    snapshot = lambda: {v.name: v.get_value().copy()  # noqa: E731
+                        for v in params + list(state.values())}
+    before = snapshot()
+    apply_fn()  # a flush right at the start: empty window
+    for name, value in snapshot().items():
+        assert np.all(np.isfinite(value)), name
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
+    assert int(state["adam.t"].get_value()) == 0
+
+    rng = np.random.default_rng(16)
+    batches = [make_batch(rng, 3), make_batch(rng, 2)]
+    for X, Y in batches:
+        step_fn(X, Y)
+    apply_fn()
+    apply_fn()  # the end-of-epoch flush right after a full window
+    assert int(state["adam.t"].get_value()) == 1
+    g = np_grads(W0, B0, *concat(batches))
+    for p0, gi, p in zip((W0, B0), g, params):
+        exp_p, _, _ = _adam_first_step(p0, gi, lr=1e-3)
+        np.testing.assert_allclose(p.get_value(), exp_p, rtol=1e-10)
+
+
+def test_empty_window_grads_are_zero_not_nan():
+    m = Model()
+    acc = accumulate_gradients(m.loss, m.params, weight=m.X.shape[0], max_norm=1.0)
+    gW, gb = pytensor.function([], acc.grads)()
+    assert not gW.any() and not gb.any()
+
+
+def test_skip_nonfinite_checks_what_enters_the_buffer():
+    """float32 3e38 is finite; times weight 10 it is inf: skipped, not buffered (was: inf)."""
+    w = pytensor.shared(np.zeros(2, dtype="float32"), name="w")
+    g = pt.vector("g", dtype="float32")
+    acc = accumulate_gradients([g], [w], weight=10, skip_nonfinite=True)
+    step = pytensor.function([g], [], updates=acc.accumulate)
+    step(np.array([3e38, 1.0], dtype="float32"))
+    assert int(acc.skipped.get_value()) == 1 and int(acc.count.get_value()) == 0
+    assert float(acc.total.get_value()) == 0.0
+    np.testing.assert_array_equal(acc.accumulators[0].get_value(), [0.0, 0.0])
+    step(np.array([1.0, 2.0], dtype="float32"))
+    assert int(acc.skipped.get_value()) == 1 and int(acc.count.get_value()) == 1
+    np.testing.assert_array_equal(acc.accumulators[0].get_value(), [10.0, 20.0])
+
+
+def test_name_prefixes_buffers_and_counters():
+    m = Model()
+    a = accumulate_gradients(m.loss, m.params, name="enc", weight=m.X.shape[0],
+                             skip_nonfinite=True)
+    b = accumulate_gradients(m.loss, m.params)
+    assert [v.name for v in a.accumulators] == ["W.enc_grad_accu", "b.enc_grad_accu"]
+    assert (a.count.name, a.total.name, a.skipped.name) == ("enc.count", "enc.total",
+                                                            "enc.skipped")
+    # the default name keeps today's names, which checkpoints rely on
+    assert [v.name for v in b.accumulators] == ["W.grad_accu", "b.grad_accu"]
+    assert b.count.name == "accumulate.count"
+    with pytest.raises(TypeError, match="name must be a non-empty string"):
+        accumulate_gradients(m.loss, m.params, name="")
+
+
+def test_option_type_errors():
+    m = Model()
+    with pytest.raises(TypeError, match="skip_nonfinite must be True or False"):
+        accumulate_gradients(m.loss, m.params, skip_nonfinite="yes")
+    with pytest.raises(ValueError, match="max_norm must be >= 0"):
+        accumulate_gradients(m.loss, m.params, max_norm=-1.0)

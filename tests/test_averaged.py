@@ -20,78 +20,24 @@ import pytest
 import lasagne_accum as L
 from lasagne_accum import accumulate_gradients, with_accumulated_gradients
 
-RULES = OrderedDict(
-    sgd=dict(learning_rate=0.1),
-    momentum=dict(learning_rate=0.01, momentum=0.9),
-    nesterov_momentum=dict(learning_rate=0.05, momentum=0.9),
-    adagrad=dict(learning_rate=0.1),
-    rmsprop=dict(learning_rate=0.01),
-    adadelta=dict(learning_rate=1.0),
-    adam=dict(learning_rate=0.01),
-    adamax=dict(),  # Adamax's defaults, as in the seed call ``adamax(loss, params, average=5)``
-    amsgrad=dict(learning_rate=0.01),
+from reference import (  # tests/reference.py: tests/ is on sys.path under pytest
+    B0,
+    RULES,
+    W0,
+    Model,
+    assert_close,
+    concat,
+    make_batch,
+    np_grads,
+    values,
+    zero,
 )
-RTOL, ATOL = 1e-10, 1e-13
-N_IN, N_OUT = 3, 4
-_INIT = np.random.default_rng(4321)
-W0 = 0.5 * _INIT.normal(size=(N_IN, N_OUT))
-B0 = 0.1 * _INIT.normal(size=N_OUT)
+
+RTOL = 1e-10
 K = 2  # windows per scenario
 
 
 # ----------------------------------------------------------------- helpers
-
-
-class Model:
-    """tanh(X W + b) regressed on Y; loss = mean over examples of the squared error."""
-
-    def __init__(self):
-        self.W = pytensor.shared(W0.copy(), name="W")
-        self.b = pytensor.shared(B0.copy(), name="b")
-        self.params = [self.W, self.b]
-        self.X = pt.matrix("X")
-        self.Y = pt.matrix("Y")
-        pred = pt.tanh(pt.dot(self.X, self.W) + self.b)
-        self.loss = pt.mean(pt.sum((pred - self.Y) ** 2, axis=1))
-
-    def reset_params(self):
-        self.W.set_value(W0.copy())
-        self.b.set_value(B0.copy())
-
-
-def zero(variables):
-    for v in variables:
-        v.set_value(np.zeros_like(v.get_value()))
-
-
-def make_batch(rng, size):
-    return rng.normal(size=(size, N_IN)), rng.uniform(-0.9, 0.9, size=(size, N_OUT))
-
-
-def concat(batches):
-    return (np.concatenate([b[0] for b in batches]), np.concatenate([b[1] for b in batches]))
-
-
-def np_grads(W, b, X, Y):
-    h = np.tanh(X @ W + b)
-    dz = 2.0 * (h - Y) * (1.0 - h ** 2) / len(X)
-    return [X.T @ dz, dz.sum(axis=0)]
-
-
-def values(variables):
-    return {v.name: v.get_value().copy() for v in variables}
-
-
-def assert_close(actual, expected, what, exact=False):
-    assert sorted(actual) == sorted(expected), what
-    for name in expected:
-        a, e = np.asarray(actual[name]), np.asarray(expected[name])
-        assert a.dtype == e.dtype, f"{what}: {name}"
-        assert np.all(np.isfinite(a)), f"{what}: {name}"
-        if exact:
-            np.testing.assert_array_equal(a, e, err_msg=f"{what}: {name}")
-        else:
-            np.testing.assert_allclose(a, e, rtol=RTOL, atol=ATOL, err_msg=f"{what}: {name}")
 
 
 def is_accumulation_state(var):
@@ -179,15 +125,16 @@ def run_scenario(rule, every, weighted, mode=None, lazy=True, seed=0):
             else:
                 single(X, Y)
             if i < every - 1:  # a non-stepping call changes neither params nor rule state
-                assert_close(values(sm.params + s_state), start,
+                assert_close(values(sm.params + s_state), start, "float64",
                              f"{rule} N={every} call {i + 1}", exact=True)
             step(X, Y, len(X))
         apply()
         ref(*concat(batches))
         what = f"{rule} N={every} weighted={weighted} mode={mode} lazy={lazy} window {window}"
         got = values(sm.params + s_state)
-        assert_close(got, values(rm.params + r_state), what + " vs large batch")
-        assert_close(got, values(tm.params + t_state), what + " vs two-function form")
+        assert_close(got, values(rm.params + r_state), "float64", what + " vs large batch")
+        assert_close(got, values(tm.params + t_state), "float64",
+                     what + " vs two-function form")
     assert not np.allclose(sm.W.get_value(), W0)
     return window + 1
 
@@ -248,7 +195,7 @@ def test_average_1_is_exactly_the_plain_rule(rule):
         batch = make_batch(rng, size)
         f(*batch)
         g(*batch)
-        assert_close(values(list(upd)), values(list(plain)), rule, exact=True)
+        assert_close(values(list(upd)), values(list(plain)), "float64", rule, exact=True)
 
 
 def test_with_accumulated_gradients_every_1_returns_the_rule_dict():
@@ -296,7 +243,7 @@ def test_lazy_false_gives_the_same_numbers(rule):
     lazy_false = values(single_function_form(rule, 3, True, lazy=False)[0].params)
     run_scenario(rule, 3, weighted=True, lazy=True, seed=11)
     lazy_true = values(single_function_form(rule, 3, True, lazy=True)[0].params)
-    assert_close(lazy_false, lazy_true, f"{rule} lazy=False vs lazy=True")
+    assert_close(lazy_false, lazy_true, "float64", f"{rule} lazy=False vs lazy=True")
 
 
 def test_partial_of_a_library_rule_as_update_rule():
@@ -339,7 +286,7 @@ def test_seed_calls_momentum_and_adamax_average_5():
             for X, Y in batches:
                 f(X, Y)
             ref(*concat(batches))
-            assert_close(values(m.params + state), values(rm.params + r_state), name)
+            assert_close(values(m.params + state), values(rm.params + r_state), "float64", name)
 
 
 # ---------------------------------------------------------------- 14. errors
@@ -403,3 +350,153 @@ def test_errors():
 @pytest.mark.parametrize("weighted", [False, True])
 def test_equivalence_under_cvm(rule, weighted):
     assert run_scenario(rule, 3, weighted=weighted, mode="CVM", seed=21) == K
+
+
+# ------------------------------ 16. same options and checks as the two-function form
+
+
+PARITY_OPTIONS = OrderedDict(
+    plain=dict(),
+    weight=dict(weight=True),
+    average_false=dict(average=False),
+    max_norm=dict(max_norm=0.05, weight=True),
+    skip_nonfinite=dict(skip_nonfinite=True, weight=True),
+    lazy_false=dict(lazy=False, weight=True),
+    name=dict(name="enc"),
+)
+
+
+@pytest.mark.parametrize("option", list(PARITY_OPTIONS))
+def test_both_forms_give_the_same_parameters_option_by_option(option):
+    opts = dict(PARITY_OPTIONS[option])
+    weighted = opts.pop("weight", False)
+    lazy = opts.pop("lazy", True)
+    every, hyper = 3, dict(learning_rate=0.01)
+
+    # two functions, as in the README: apply when `every` batches are accumulated
+    tm = Model()
+    n1 = pt.scalar("n")
+    result = accumulate_gradients(tm.loss, tm.params, weight=n1 if weighted else None, **opts)
+    accu, rst = result
+    apply = L.adam(accu.grads, tm.params, **hyper)
+    apply.update(rst)
+    inputs1 = [tm.X, tm.Y] + ([n1] if weighted else [])
+    step_fn = pytensor.function(inputs1, [], updates=accu)
+    apply_fn = pytensor.function([], [], updates=apply)
+
+    # one function
+    sm = Model()
+    n2 = pt.scalar("n")
+    upd = with_accumulated_gradients(sm.loss, sm.params, every, L.adam,
+                                     weight=n2 if weighted else None, lazy=lazy,
+                                     **opts, **hyper)
+    single = pytensor.function([sm.X, sm.Y] + ([n2] if weighted else []), [], updates=upd)
+
+    rng = np.random.default_rng(16)
+    batches = [make_batch(rng, int(k)) for k in rng.integers(1, 6, size=8)]
+    if opts.get("skip_nonfinite"):
+        batches[2][0][0, 0] = np.nan
+    steps = 0
+    for X, Y in batches:
+        extra = [len(X)] if weighted else []
+        step_fn(X, Y, *extra)
+        single(X, Y, *extra)
+        if int(accu.count.get_value()) == every:
+            apply_fn()
+            steps += 1
+    assert steps == 2
+    t_state = [v for v in apply if v not in tm.params and v not in rst]
+    s_state = [v for v in upd if v not in sm.params and not is_accumulation_state(v)
+               and not v.name.startswith("enc.") and "grad_accu" not in v.name]
+    assert_close(values(sm.params + s_state), values(tm.params + t_state), "float64",
+                 f"option {option}")
+    assert int(values(s_state)["adam.t"]) == 2
+    if opts.get("skip_nonfinite"):
+        assert int(upd.skipped.get_value()) == int(result.skipped.get_value()) == 1
+    assert not np.allclose(sm.W.get_value(), W0)
+
+
+@pytest.mark.parametrize("form", ["rule", "wrapper"])
+def test_weight_zero_or_negative_is_refused_like_the_two_function_form(form):
+    m = Model()
+
+    def build(weight):
+        if form == "rule":
+            return L.adam(m.loss, m.params, average=2, weight=weight)
+        return with_accumulated_gradients(m.loss, m.params, 2, L.sgd, weight=weight,
+                                          learning_rate=0.1)
+
+    with pytest.raises(ValueError, match="weight must be positive, got 0"):
+        build(0)
+    with pytest.raises(ValueError, match="weight must be >= 0"):
+        build(-2.0)
+    with pytest.raises(ValueError, match="weight must be positive, got 0"):
+        accumulate_gradients(m.loss, m.params, weight=0)
+
+
+def test_buffer_does_not_carry_nan_into_the_next_window():
+    """Was: the lazy reset 0 * NaN kept a NaN batch in the buffer for good."""
+    m = Model()
+    upd = with_accumulated_gradients(m.loss, m.params, 2, L.sgd, learning_rate=0.1)
+    f = pytensor.function([m.X, m.Y], [], updates=upd)
+    rng = np.random.default_rng(17)
+    bad, good = make_batch(rng, 2), make_batch(rng, 2)
+    bad[0][0, 0] = np.nan
+    f(*bad)
+    f(*good)
+    assert np.isnan(m.W.get_value()).any()  # that window's step is NaN, as it must be
+    m.reset_params()  # the user restores the parameters
+    b3, b4 = make_batch(rng, 3), make_batch(rng, 3)
+    f(*b3)
+    f(*b4)
+    g = np_grads(W0, B0, *concat([b3, b4]))
+    np.testing.assert_allclose(m.W.get_value(), W0 - 0.1 * g[0], rtol=1e-12)
+    np.testing.assert_allclose(m.b.get_value(), B0 - 0.1 * g[1], rtol=1e-12)
+
+
+def test_skip_nonfinite_checks_the_weighted_gradient_and_lengthens_the_window():
+    w = pytensor.shared(np.zeros(2, dtype="float32"), name="w")
+    g = pt.vector("g", dtype="float32")
+    upd = with_accumulated_gradients([g], [w], 2, L.sgd, weight=10, skip_nonfinite=True,
+                                     learning_rate=0.5)
+    f = pytensor.function([g], [], updates=upd)
+    f(np.array([1.0, 2.0], dtype="float32"))
+    f(np.array([3e38, 1.0], dtype="float32"))  # finite, but 10 * 3e38 is inf: skipped
+    assert int(upd.skipped.get_value()) == 1
+    np.testing.assert_array_equal(w.get_value(), [0.0, 0.0])  # no step: one batch so far
+    f(np.array([3.0, 4.0], dtype="float32"))
+    np.testing.assert_allclose(w.get_value(), [-0.5 * 2.0, -0.5 * 3.0], rtol=1e-6)
+    assert int(upd.count.get_value()) == 0
+
+
+def test_every_1_refuses_window_options():
+    m = Model()
+    with pytest.raises(ValueError, match="max_norm only applies with every > 1"):
+        with_accumulated_gradients(m.loss, m.params, 1, L.sgd, max_norm=1.0, learning_rate=0.1)
+    with pytest.raises(ValueError, match="skip_nonfinite only applies"):
+        with_accumulated_gradients(m.loss, m.params, 1, L.sgd, skip_nonfinite=True,
+                                   learning_rate=0.1)
+
+
+def test_name_prefixes_the_single_function_state():
+    m = Model()
+    upd = L.adam(m.loss, m.params, average=3, weight=m.X.shape[0], name="enc")
+    names = {v.name for v in upd}
+    assert names == {"W", "b", "enc.count", "enc.total", "W.enc_grad_accu", "b.enc_grad_accu",
+                     "W.enc_m", "W.enc_v", "b.enc_m", "b.enc_v", "enc.t"}
+    # two optimizers in one graph: names fixed by name=, not by build order
+    other = Model()
+    a = L.adam(other.loss, [other.W], average=2, name="first")
+    b = L.adam(other.loss, [other.b], average=2, name="second")
+    assert {v.name for v in a} == {"W", "first.count", "W.first_grad_accu", "W.first_m",
+                                   "W.first_v", "first.t"}
+    assert {v.name for v in b} == {"b", "second.count", "b.second_grad_accu", "b.second_m",
+                                   "b.second_v", "second.t"}
+
+
+def test_average_beyond_the_int64_counter_is_a_clear_error():
+    m = Model()
+    with pytest.raises(ValueError, match="average must be at most 9223372036854775807"):
+        L.adam(m.loss, m.params, average=10 ** 30)
+    with pytest.raises(ValueError, match="every must be at most"):
+        with_accumulated_gradients(m.loss, m.params, 10 ** 30, L.sgd, learning_rate=0.1)

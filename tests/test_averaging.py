@@ -15,6 +15,7 @@ executed sequentially per optimizer step:
 """
 
 import time
+from collections import OrderedDict
 
 import numpy as np
 import pytensor
@@ -627,3 +628,71 @@ def test_host_mode_refuses_updates_and_step_needs_host_mode():
         ModelAverage([w], 0.5, 2, 4, host_mode="NUMBA", updates={w: w + 1})
     with pytest.raises(RuntimeError, match="host_mode"):
         ModelAverage([w], 0.5, 2, 4).step()
+
+
+# --------------------------------------------------------------------------
+# 8. the step signal is explicit (issue 12) and an empty flush is not a step (issue 11)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["original", "dict_copy", "explicit"])
+def test_copied_single_function_dict_still_averages_steps_only(how):
+    """Was: ModelAverage(updates=dict(upd)) lost .is_step and averaged every mini-batch."""
+    rng = np.random.default_rng(8)
+    params, x, loss = _quadratic(rng)
+    upd = sgd(loss, params, 0.1, average=3)
+    if how == "original":
+        ma = ModelAverage(params, 0.5, 2, 4, updates=upd)
+    elif how == "dict_copy":
+        ma = ModelAverage(params, 0.5, 2, 4, updates=dict(upd))
+    else:
+        ma = ModelAverage(params, 0.5, 2, 4, is_step=upd.is_step)  # averages pre-step values
+    ema = ExponentialMovingAverage(params, 0.5, updates=OrderedDict(upd), name="ema_copy")
+    fn = pytensor.function([x], loss, updates={**upd, **ma.updates, **ema.updates}, mode=MODE)
+    for call in range(1, 10):
+        fn(rng.standard_normal(3))
+        assert int(ma.num_updates.get_value()) == call // 3
+        assert int(ema.num_updates.get_value()) == call // 3
+
+
+def test_a_dict_whose_step_signal_cannot_be_known_is_refused():
+    rng = np.random.default_rng(9)
+    params, x, loss = _quadratic(rng)
+    upd = dict(sgd(loss, params, 0.1, average=3))
+    upd[params[1]] = params[1] * 1.0  # one value without the signal, one with
+    with pytest.raises(ValueError, match="pass is_step= explicitly"):
+        ModelAverage(params, 0.5, 2, 4, updates=upd)
+    with pytest.raises(ValueError, match="is_step= explicitly"):
+        ExponentialMovingAverage(params, 0.5, updates=upd)
+    # said explicitly, it is accepted: True means every call is a step
+    ma = ModelAverage(params, 0.5, 2, 4, updates=upd, is_step=True)
+    fn = pytensor.function([x], [], updates={**upd, **ma.updates}, mode=MODE)
+    fn(np.ones(3))
+    fn(np.ones(3))
+    assert int(ma.num_updates.get_value()) == 2
+    with pytest.raises(ValueError, match="is_step must be a symbolic condition or True"):
+        ModelAverage(params, 0.5, 2, 4, is_step=False)
+    with pytest.raises(TypeError, match="is_step must be a symbolic scalar"):
+        ModelAverage(params, 0.5, 2, 4, is_step=pt.vector("v"))
+
+
+def test_empty_flush_of_the_two_function_form_does_not_advance_the_average():
+    rng = np.random.default_rng(10)
+    params, x, loss = _quadratic(rng)
+    accu, rst = accumulate_gradients(loss, params)
+    apply = sgd(accu.grads, params, 0.1)
+    apply.update(rst)
+    ma = ModelAverage(params, 0.5, 2, 4, updates=apply)
+    apply.update(ma.updates)
+    step_fn = pytensor.function([x], [], updates=accu, mode=MODE)
+    apply_fn = pytensor.function([], [], updates=apply, mode=MODE)
+    apply_fn()  # nothing accumulated
+    assert int(ma.num_updates.get_value()) == 0 and ma.steps == 0
+    step_fn(rng.standard_normal(3))
+    apply_fn()
+    w_after = params[0].get_value().copy()
+    apply_fn()  # the flush right after
+    assert int(ma.num_updates.get_value()) == 1
+    np.testing.assert_array_equal(params[0].get_value(), w_after)
+    with ma.apply():
+        np.testing.assert_allclose(params[0].get_value(), w_after, rtol=1e-12)

@@ -14,6 +14,7 @@ import pytensor.tensor as pt
 import pytest
 
 from lasagne_accum import updates as U
+from reference import reference_step as _reference_step  # tests/reference.py
 
 N_STEPS = 5
 N_BATCH = 6
@@ -84,90 +85,15 @@ def build(rule, loss_or_grads, params):
 
 
 def reference_step(rule, params, grads, state, hyper_dtype="float64", **hyper):
-    """One step of `rule` in float64 numpy, in place on `params` and `state`.
-
-    `params`/`grads` map parameter names to arrays; `state` maps the state
-    names ('W.adam_m', 'adam.t', ...) to arrays, created as zeros on first use.
-    Hyperparameters default to Lasagne's values, typed here independently, and
-    are first rounded to `hyper_dtype`: a float32 model holds beta2=0.999 as
-    0.99899995..., so 1 - beta2 differs from 1e-3 by 5e-5 relative, more than
-    float32 arithmetic alone explains.
-    """
-
-    def hp(key, default):
-        return float(np.dtype(hyper_dtype).type(hyper.get(key, default)))
-
-    def st(key, like):
-        if key not in state:
-            state[key] = np.zeros_like(like, dtype=np.float64)
-        return state[key]
-
-    if rule in ADAM_FAMILY:
-        t = float(state.get(f"{rule}.t", 0.0)) + 1.0
-        state[f"{rule}.t"] = np.float64(t)
-
-    for n in list(params):
-        p = np.asarray(params[n], dtype=np.float64)
-        g = np.asarray(grads[n], dtype=np.float64)
-        if rule == "sgd":
-            lr = hp("learning_rate", LR)
-            new_p = p - lr * g
-        elif rule in ("momentum", "apply_momentum"):
-            lr = hp("learning_rate", LR)
-            mom = hp("momentum", MOM if rule == "momentum" else MOM_APPLY)
-            v = st(f"{n}.momentum_velocity", p)
-            x = mom * v + (p - lr * g)
-            state[f"{n}.momentum_velocity"] = x - p
-            new_p = x
-        elif rule in ("nesterov_momentum", "apply_nesterov_momentum"):
-            lr = hp("learning_rate", LR)
-            mom = hp("momentum", MOM if rule == "nesterov_momentum" else MOM_APPLY)
-            v = st(f"{n}.momentum_velocity", p)
-            x = mom * v + (p - lr * g) - p
-            state[f"{n}.momentum_velocity"] = x
-            new_p = mom * x + (p - lr * g)
-        elif rule == "adagrad":
-            lr, eps = hp("learning_rate", 1.0), hp("epsilon", 1e-6)
-            a = st(f"{n}.adagrad_accu", p) + g ** 2
-            state[f"{n}.adagrad_accu"] = a
-            new_p = p - lr * g / np.sqrt(a + eps)
-        elif rule == "rmsprop":
-            lr, rho, eps = (hp("learning_rate", 1.0), hp("rho", 0.9),
-                            hp("epsilon", 1e-6))
-            a = rho * st(f"{n}.rmsprop_accu", p) + (1 - rho) * g ** 2
-            state[f"{n}.rmsprop_accu"] = a
-            new_p = p - lr * g / np.sqrt(a + eps)
-        elif rule == "adadelta":
-            lr, rho, eps = (hp("learning_rate", 1.0), hp("rho", 0.95),
-                            hp("epsilon", 1e-6))
-            a = rho * st(f"{n}.adadelta_accu", p) + (1 - rho) * g ** 2
-            d = st(f"{n}.adadelta_delta_accu", p)
-            u = g * np.sqrt(d + eps) / np.sqrt(a + eps)
-            new_p = p - lr * u
-            state[f"{n}.adadelta_accu"] = a
-            state[f"{n}.adadelta_delta_accu"] = rho * d + (1 - rho) * u ** 2
-        elif rule in ADAM_FAMILY:
-            lr = hp("learning_rate", 0.002 if rule == "adamax" else 0.001)
-            b1, b2 = hp("beta1", 0.9), hp("beta2", 0.999)
-            eps = hp("epsilon", 1e-8)
-            m = b1 * st(f"{n}.{rule}_m", p) + (1 - b1) * g
-            state[f"{n}.{rule}_m"] = m
-            if rule == "adamax":
-                a_t = lr / (1 - b1 ** t)
-                u = np.maximum(b2 * st(f"{n}.adamax_u", p), np.abs(g))
-                state[f"{n}.adamax_u"] = u
-                new_p = p - a_t * m / (u + eps)
-            else:
-                a_t = lr * np.sqrt(1 - b2 ** t) / (1 - b1 ** t)
-                v = b2 * st(f"{n}.{rule}_v", p) + (1 - b2) * g ** 2
-                state[f"{n}.{rule}_v"] = v
-                if rule == "amsgrad":
-                    v = np.maximum(st(f"{n}.amsgrad_vhat", p), v)
-                    state[f"{n}.amsgrad_vhat"] = v
-                new_p = p - a_t * m / (np.sqrt(v) + eps)
-        else:  # pragma: no cover
-            raise AssertionError(rule)
-        params[n] = new_p
+    """One float64 numpy step (tests/reference.py) with this module's default hyperparameters."""
+    defaults = {}
+    if rule in ("sgd", "momentum", "nesterov_momentum") or rule.startswith("apply_"):
+        defaults["learning_rate"] = LR
+    if rule in ("momentum", "nesterov_momentum"):
+        defaults["momentum"] = MOM
+    elif rule.startswith("apply_"):
+        defaults["momentum"] = MOM_APPLY
+    return _reference_step(rule, params, grads, state, hyper_dtype, defaults, **hyper)
 
 
 def ls_grads(params, x, y):
@@ -196,7 +122,9 @@ def problem(rng):
 def compare_all(by_name, ref_params, ref_state, dtype, assert_close, step):
     for name, var in by_name.items():
         value = var.get_value()
-        assert value.dtype == np.dtype(dtype), (name, value.dtype)
+        # step counters are int64 whatever the model's dtype (issue 11)
+        want = "int64" if name in SCALAR_STATE.values() else dtype
+        assert value.dtype == np.dtype(want), (name, value.dtype)
         expected = ref_params[name] if name in ref_params else ref_state[name]
         assert_close(value, expected, dtype, what=f"{name} after step {step}")
 
@@ -302,11 +230,14 @@ def test_float32_state_has_param_dtype_and_static_shape(rule):
             assert s.type.shape == p.type.shape, (s.name, s.type.shape)
             assert s.get_value().shape == p.get_value().shape
     for var, expr in upd.items():
-        assert expr.type.dtype == "float32", (var.name, expr.type)
+        # the step counter is int64 (issue 11); everything else float32
+        assert expr.type.dtype == ("int64" if var.name == SCALAR_STATE.get(rule) else "float32"), \
+            (var.name, expr.type)
         assert expr.type.ndim == var.type.ndim
     if rule in SCALAR_STATE:
         t = by_name[SCALAR_STATE[rule]]
-        assert t.type.dtype == "float32" and t.type.shape == ()
+        # an int64 step counter (a float32 one stops at 2**24, issue 11)
+        assert t.type.dtype == "int64" and t.type.shape == ()
 
 
 @pytest.mark.parametrize("rule", RULES)
@@ -334,13 +265,15 @@ def test_float32_model_compiles_to_float32_under_float64_floatx(problem):
     f = pytensor.function([x, y], [], updates=updates)
     outputs = f.maker.fgraph.outputs
     assert len(outputs) == len(updates)
-    assert [o.type.dtype for o in outputs] == ["float32"] * len(outputs)
+    # the step counter adam.t is int64 (issue 11); every other output float32
+    expected = ["int64" if v.name == "adam.t" else "float32" for v in updates]
+    assert sorted(o.type.dtype for o in outputs) == sorted(expected)
     before = {v: v.get_value().copy() for v in updates}
     f(problem["X"][0], problem["Y"][0])
     f(problem["X"][1], problem["Y"][1])
     for v in updates:
         value = v.get_value()
-        assert value.dtype == np.float32, v.name
+        assert value.dtype == (np.int64 if v.name == "adam.t" else np.float32), v.name
         assert np.all(np.isfinite(value)), v.name
         if v.name.startswith(("W_", "b_")) and "." not in v.name:
             assert not np.array_equal(value, before[v]), v.name
@@ -362,7 +295,9 @@ def test_shared_learning_rate_changes_the_step_of_float32_model(problem):
     upd.update(U.adam([g], [W_adam], learning_rate=lr))
     upd.update(U.momentum([g], [W_mom], learning_rate=lr_in, momentum=0.5))
     f = pytensor.function([g, lr_in], [], updates=upd)
-    assert all(o.type.dtype == "float32" for o in f.maker.fgraph.outputs)
+    # float32 everywhere but the int64 step counter adam.t (issue 11)
+    assert sorted(o.type.dtype for o in f.maker.fgraph.outputs) == \
+        ["float32"] * (len(upd) - 1) + ["int64"]
 
     ref = {k: {"W": problem["W"].astype(f32).astype(np.float64)} for k in "sam"}
     states = {k: {} for k in "sam"}
@@ -594,3 +529,118 @@ def test_constraints_reexported_from_updates():
     assert U.total_norm_constraint is constraints.total_norm_constraint
     assert U.get_or_compute_grads is grads.get_or_compute_grads
     assert lasagne_accum.adam is U.adam
+
+
+# ------------------------------------------- 9. safe by default (issue 11)
+
+
+@pytest.mark.parametrize("rule", ADAM_FAMILY)
+def test_step_counter_is_int64_and_counts_past_2_to_the_24(rule):
+    """A float32 counter stops at 2**24 (2**24 + 1 rounds back); an int64 one does not."""
+    w = pytensor.shared(np.array([1.0, -2.0], dtype="float32"), name="w")
+    g = pt.vector("g", dtype="float32")
+    upd = getattr(U, rule)([g], [w], learning_rate=0.01)
+    t = {v.name: v for v in upd}[f"{rule}.t"]
+    assert t.type.dtype == "int64"
+    t.set_value(np.int64(2 ** 24))
+    f = pytensor.function([g], [], updates=upd, mode="CVM")
+    grad = np.array([0.5, -0.25], dtype="float32")
+    f(grad)
+    assert int(t.get_value()) == 2 ** 24 + 1
+    f(grad)
+    assert int(t.get_value()) == 2 ** 24 + 2
+    assert w.get_value().dtype == np.float32
+    # numpy reference from t = 2**24 with zero moments (beta ** t underflows to 0)
+    params, state = {"w": np.array([1.0, -2.0])}, {f"{rule}.t": np.float64(2 ** 24)}
+    for _ in range(2):
+        reference_step(rule, params, {"w": grad}, state, hyper_dtype="float32",
+                       learning_rate=0.01)
+    np.testing.assert_allclose(w.get_value(), params["w"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("rule", LOSS_RULES)
+def test_float16_params_train_without_nan_in_float32_arithmetic(rule):
+    """float16: state and arithmetic in float32, the result cast back (was: NaN for Adam)."""
+    # PyTensor's Numba backend has no float16 (NotImplementedError); C compiles it.
+    w = pytensor.shared(np.array([1.0, -0.5, 0.25], dtype="float16"), name="w")
+    g = pt.vector("g", dtype="float16")
+    hyper = {"learning_rate": 0.01} if rule in ("sgd", "momentum", "nesterov_momentum") else {}
+    upd = getattr(U, rule)([g], [w], **hyper)
+    for var, expr in upd.items():
+        assert expr.type.dtype == var.type.dtype, var.name
+    assert w.type.dtype == "float16"
+    for var in upd:
+        if var is not w and var.type.ndim == 1:
+            assert var.type.dtype == "float32", var.name  # state in float32
+    f = pytensor.function([g], [], updates=upd, mode="CVM")
+    params, state = {"w": w.get_value().astype(np.float64)}, {}
+    rng = np.random.default_rng(4)
+    for _ in range(3):
+        grad = rng.normal(size=3).astype("float16")
+        f(grad)
+        reference_step(rule, params, {"w": grad}, state, hyper_dtype="float32",
+                       **({"learning_rate": 0.01} if hyper else {}))
+        params["w"] = params["w"].astype(np.float16).astype(np.float64)  # stored in float16
+    value = w.get_value()
+    assert value.dtype == np.float16 and np.all(np.isfinite(value))
+    np.testing.assert_allclose(value.astype(np.float64), params["w"], rtol=2e-3, atol=1e-3)
+
+
+def test_loss_that_does_not_depend_on_a_param_names_it():
+    W = pytensor.shared(np.ones((2, 2)), name="W")
+    b = pytensor.shared(np.ones(2), name="b_unused")
+    x = pt.matrix("x")
+    with pytest.raises(ValueError, match=r"does not depend on params\[1\] \(b_unused\)"):
+        U.adam(((x @ W) ** 2).sum(), [W, b])
+    with pytest.raises(ValueError, match=r"params\[1\] \(b_unused\)"):
+        U.sgd(((x @ W) ** 2).sum(), [W, b], average=2, learning_rate=0.1)
+
+
+def test_a_bare_gradient_instead_of_a_list_says_so():
+    W = pytensor.shared(np.ones((2, 2)), name="W")
+    with pytest.raises(ValueError, match=r"pass a list with one gradient per parameter \(\[grad\]\)"):
+        U.adam(pt.matrix("gW"), [W])
+
+
+@pytest.mark.parametrize("rule, wrong, right", [
+    ("adam", "lr", "learning_rate"), ("sgd", "lr", "learning_rate"),
+    ("rmsprop", "eps", "epsilon"), ("adam", "beta_1", "beta1"),
+    ("momentum", "learning_rat", "learning_rate"),
+])
+def test_a_misspelled_keyword_gets_a_suggestion(rule, wrong, right):
+    W = pytensor.shared(np.ones(2), name="W")
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{wrong}'; did you mean "
+                                        f"{right}="):
+        getattr(U, rule)((W ** 2).sum(), [W], **{wrong: 0.1})
+
+
+def test_a_misspelled_keyword_through_the_accumulating_wrapper():
+    import lasagne_accum as la
+
+    W = pytensor.shared(np.ones(2), name="W")
+    with pytest.raises(TypeError, match="did you mean learning_rate="):
+        la.with_accumulated_gradients((W ** 2).sum(), [W], 2, U.adam, lr=0.1)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_name_replaces_the_rule_name_in_state_names(rule):
+    W = pytensor.shared(np.ones((2, 2)), name="W")
+    g = [pt.matrix("g")]
+    if rule.startswith("apply_"):
+        upd = getattr(U, rule)(U.sgd(g, [W], 0.1), name="enc")
+        default = getattr(U, rule)(U.sgd(g, [W], 0.1))
+    else:
+        kw = {"learning_rate": 0.1} if rule in ("sgd", "momentum", "nesterov_momentum") else {}
+        upd = getattr(U, rule)(g, [W], name="enc", **kw)
+        default = getattr(U, rule)(g, [W], **kw)
+    names = sorted(v.name for v in upd)
+    expected = sorted(
+        n.replace(f".{rule.replace('apply_', '').replace('nesterov_', '')}_", ".enc_")
+         .replace(f"{rule}.t", "enc.t")
+        for n in (v.name for v in default)
+    )
+    assert names == expected
+    if rule not in ("sgd",):
+        assert any("enc" in n for n in names)
+    with pytest.raises(TypeError, match="name must be a non-empty string"):
+        getattr(U, "adam")(g, [W], name=3)

@@ -1,0 +1,223 @@
+"""Shared test reference: one model, its batches, numpy gradients and rules, one comparison.
+
+Used by the accumulation, single-function, update-rule and README tests, so the
+independent references live in one place:
+
+* :class:`Model`: ``tanh(X W + b)`` regressed on ``Y``; the loss is the MEAN
+  over the examples of the batch of the squared error, so N batches
+  accumulated with ``weight=batch_size`` equal one large batch;
+* :func:`np_grads`: its gradient derived by hand in float64 numpy;
+* :func:`reference_step`: one step of every rule of Lasagne's set in float64
+  numpy, written from the formulas, not from the library;
+* :func:`assert_close`: the one comparison helper (arrays, shared variables,
+  or dictionaries of either by name).
+"""
+
+from collections import OrderedDict
+from collections.abc import Mapping
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+
+# Hyperparameters of the rules in the equivalence tests (adamax: its defaults, as
+# in the seed's call ``adamax(loss, params, average=5)``).
+RULES = OrderedDict(
+    sgd=dict(learning_rate=0.1),
+    momentum=dict(learning_rate=0.01, momentum=0.9),
+    nesterov_momentum=dict(learning_rate=0.05, momentum=0.9),
+    adagrad=dict(learning_rate=0.1),
+    rmsprop=dict(learning_rate=0.01),
+    adadelta=dict(learning_rate=1.0),
+    adam=dict(learning_rate=0.01),
+    adamax=dict(),
+    amsgrad=dict(learning_rate=0.01),
+)
+ADAM_FAMILY = ("adam", "adamax", "amsgrad")
+TOL = {"float64": dict(rtol=1e-10, atol=1e-13), "float32": dict(rtol=1e-5, atol=1e-6),
+       "float16": dict(rtol=1e-2, atol=2e-3)}
+N_IN, N_OUT = 3, 4
+_INIT = np.random.default_rng(1234)
+W0 = 0.5 * _INIT.normal(size=(N_IN, N_OUT))
+B0 = 0.1 * _INIT.normal(size=N_OUT)
+
+
+class Model:
+    """tanh(X W + b) regressed on Y; loss = mean over examples of the squared error."""
+
+    def __init__(self, dtype="float64", w_dtype=None, b_dtype=None):
+        self.dtype = dtype
+        self.W = pytensor.shared(W0.astype(w_dtype or dtype), name="W")
+        self.b = pytensor.shared(B0.astype(b_dtype or dtype), name="b")
+        self.params = [self.W, self.b]
+        self.X = pt.matrix("X", dtype=dtype)
+        self.Y = pt.matrix("Y", dtype=dtype)
+        pred = pt.tanh(pt.dot(self.X, self.W) + self.b)
+        self.loss = pt.mean(pt.sum((pred - self.Y) ** 2, axis=1))
+
+    def reset_params(self):
+        self.W.set_value(W0.astype(self.W.type.dtype))
+        self.b.set_value(B0.astype(self.b.type.dtype))
+
+
+def zero(variables):
+    """Set shared variables to zero (rule state, buffers, counters)."""
+    for v in variables:
+        v.set_value(np.zeros_like(v.get_value()))
+
+
+def make_batch(rng, size, dtype="float64"):
+    X = rng.normal(size=(size, N_IN)).astype(dtype)
+    Y = rng.uniform(-0.9, 0.9, size=(size, N_OUT)).astype(dtype)
+    return X, Y
+
+
+def concat(batches):
+    return (np.concatenate([b[0] for b in batches]), np.concatenate([b[1] for b in batches]))
+
+
+def np_grads(W, b, X, Y):
+    """Analytic gradient of the model's mean squared error (float64)."""
+    W, b, X, Y = (np.asarray(a, dtype=np.float64) for a in (W, b, X, Y))
+    h = np.tanh(X @ W + b)
+    dz = 2.0 * (h - Y) * (1.0 - h ** 2) / len(X)
+    return [X.T @ dz, dz.sum(axis=0)]
+
+
+def by_name(variables):
+    """{name: variable}, checking that the names are distinct."""
+    out = {v.name: v for v in variables}
+    assert len(out) == len(variables), [v.name for v in variables]
+    return out
+
+
+def values(variables):
+    """{name: copy of the value} of shared variables."""
+    return {v.name: np.array(v.get_value(), copy=True) for v in variables}
+
+
+def _value(x):
+    if hasattr(x, "get_value"):
+        return np.asarray(x.get_value())
+    return np.asarray(x)
+
+
+def assert_close(actual, expected, dtype="float64", what="", exact=False):
+    """The one comparison helper of the test suite.
+
+    Parameters
+    ----------
+    actual, expected : array-like, shared variables, or dicts of them by name
+        Dictionaries must have the same names; their entries must then also
+        have the same dtype and `actual` must be finite.
+    dtype : str
+        Picks the tolerance (:data:`TOL`): 1e-10 relative for float64, 1e-5
+        for float32, 1e-2 for float16.
+    exact : bool
+        Bit-for-bit equality instead.
+    """
+    if isinstance(expected, Mapping):
+        assert isinstance(actual, Mapping), what
+        assert sorted(actual) == sorted(expected), what
+        for name in expected:
+            a, e = _value(actual[name]), _value(expected[name])
+            assert a.dtype == e.dtype, f"{what}: {name}: {a.dtype} != {e.dtype}"
+            assert np.all(np.isfinite(a)), f"{what}: {name}"
+            assert_close(a, e, dtype, f"{what}: {name}", exact)
+        return
+    a, e = _value(actual), _value(expected)
+    if exact:
+        np.testing.assert_array_equal(a, e, err_msg=what)
+    else:
+        np.testing.assert_allclose(a.astype(np.float64), e.astype(np.float64), err_msg=what,
+                                   **TOL[str(np.dtype(dtype))])
+
+
+def reference_step(rule, params, grads, state, hyper_dtype="float64", defaults=None,
+                   **hyper):
+    """One step of `rule` in float64 numpy, in place on `params` and `state`.
+
+    `params`/`grads` map parameter names to arrays; `state` maps the state
+    names ('W.adam_m', 'adam.t', ...) to arrays, created as zeros on first use.
+    Hyperparameters default to Lasagne's values, typed here independently
+    (`defaults` overrides them: the rules without a default learning rate
+    need one), and are first rounded to `hyper_dtype`: a float32 model holds
+    beta2=0.999 as 0.99899995..., so 1 - beta2 differs from 1e-3 by 5e-5
+    relative, more than float32 arithmetic alone explains.
+    """
+    defaults = dict(defaults or {})
+
+    def hp(key, default):
+        return float(np.dtype(hyper_dtype).type(hyper.get(key, defaults.get(key, default))))
+
+    def st(key, like):
+        if key not in state:
+            state[key] = np.zeros_like(like, dtype=np.float64)
+        return state[key]
+
+    if rule in ADAM_FAMILY:
+        t = float(state.get(f"{rule}.t", 0.0)) + 1.0
+        state[f"{rule}.t"] = np.float64(t)
+
+    for n in list(params):
+        p = np.asarray(params[n], dtype=np.float64)
+        g = np.asarray(grads[n], dtype=np.float64)
+        if rule == "sgd":
+            lr = hp("learning_rate", None)
+            new_p = p - lr * g
+        elif rule in ("momentum", "apply_momentum"):
+            lr = hp("learning_rate", None)
+            mom = hp("momentum", 0.9)
+            v = st(f"{n}.momentum_velocity", p)
+            x = mom * v + (p - lr * g)
+            state[f"{n}.momentum_velocity"] = x - p
+            new_p = x
+        elif rule in ("nesterov_momentum", "apply_nesterov_momentum"):
+            lr = hp("learning_rate", None)
+            mom = hp("momentum", 0.9)
+            v = st(f"{n}.momentum_velocity", p)
+            x = mom * v + (p - lr * g) - p
+            state[f"{n}.momentum_velocity"] = x
+            new_p = mom * x + (p - lr * g)
+        elif rule == "adagrad":
+            lr, eps = hp("learning_rate", 1.0), hp("epsilon", 1e-6)
+            a = st(f"{n}.adagrad_accu", p) + g ** 2
+            state[f"{n}.adagrad_accu"] = a
+            new_p = p - lr * g / np.sqrt(a + eps)
+        elif rule == "rmsprop":
+            lr, rho, eps = (hp("learning_rate", 1.0), hp("rho", 0.9),
+                            hp("epsilon", 1e-6))
+            a = rho * st(f"{n}.rmsprop_accu", p) + (1 - rho) * g ** 2
+            state[f"{n}.rmsprop_accu"] = a
+            new_p = p - lr * g / np.sqrt(a + eps)
+        elif rule == "adadelta":
+            lr, rho, eps = (hp("learning_rate", 1.0), hp("rho", 0.95),
+                            hp("epsilon", 1e-6))
+            a = rho * st(f"{n}.adadelta_accu", p) + (1 - rho) * g ** 2
+            d = st(f"{n}.adadelta_delta_accu", p)
+            u = g * np.sqrt(d + eps) / np.sqrt(a + eps)
+            new_p = p - lr * u
+            state[f"{n}.adadelta_accu"] = a
+            state[f"{n}.adadelta_delta_accu"] = rho * d + (1 - rho) * u ** 2
+        elif rule in ADAM_FAMILY:
+            lr = hp("learning_rate", 0.002 if rule == "adamax" else 0.001)
+            b1, b2 = hp("beta1", 0.9), hp("beta2", 0.999)
+            eps = hp("epsilon", 1e-8)
+            m = b1 * st(f"{n}.{rule}_m", p) + (1 - b1) * g
+            state[f"{n}.{rule}_m"] = m
+            if rule == "adamax":
+                a_t = lr / (1 - b1 ** t)
+                u = np.maximum(b2 * st(f"{n}.adamax_u", p), np.abs(g))
+                state[f"{n}.adamax_u"] = u
+                new_p = p - a_t * m / (u + eps)
+            else:
+                a_t = lr * np.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+                v = b2 * st(f"{n}.{rule}_v", p) + (1 - b2) * g ** 2
+                state[f"{n}.{rule}_v"] = v
+                if rule == "amsgrad":
+                    v = np.maximum(st(f"{n}.amsgrad_vhat", p), v)
+                    state[f"{n}.amsgrad_vhat"] = v
+                new_p = p - a_t * m / (np.sqrt(v) + eps)
+        else:  # pragma: no cover
+            raise AssertionError(rule)
+        params[n] = new_p
