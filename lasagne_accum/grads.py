@@ -5,6 +5,12 @@ accumulators, counters) through :func:`state_like` and :func:`scalar_state`,
 so all state variables follow one convention: same dtype (or a wider float
 for accumulators), same static shape as their parameter, and a readable,
 stable name such as ``W1.adam_m`` that checkpoints rely on.
+
+It is also the one home of the checks every module shares:
+:func:`check_params`, :func:`check_int` (an integer >= k, not a bool),
+:func:`hyperparameter`, :func:`check_rule_updates` (what an update rule
+returned) with :func:`rule_name`, and :func:`as_host_array` (a shared value
+as numpy, JAX and torch arrays included).
 """
 
 import numbers

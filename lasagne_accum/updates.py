@@ -15,7 +15,16 @@ Three additions, all optional:
   of it with the given hyperparameters (the PyMC convention), to hand to
   another function as ``update_rule``.
 * Dtypes are kept: a float32 model compiles to float32 updates under
-  PyTensor's default ``floatX=float64``.
+  PyTensor's default ``floatX=float64``. A float16 parameter is updated in
+  float32 (float32 state, the result cast back): float16 cannot hold Adam's
+  epsilon or small squared gradients. PyTensor's Numba backend cannot compile
+  float16 at all; compile float16 models with ``mode="CVM"``.
+* Step counters (``adam.t``) are int64 whatever the parameters' dtype.
+* ``name=`` on every rule replaces the rule's name in its state's names
+  (``W.enc_m``, ``enc.t``), so several optimizers in one graph get stable names.
+* Given ``accu.grads`` of :func:`lasagne_accum.accumulate_gradients`, a rule
+  guards its updates: an apply on an empty window changes nothing.
+* A misspelled keyword gets a suggestion (``lr=`` -> ``learning_rate=``).
 
 The functions `norm_constraint`, `total_norm_constraint` and
 `get_or_compute_grads` are re-exported here as in Lasagne.
