@@ -117,7 +117,8 @@ class AccumulationTrainer:
 
 def compile_accumulation(inputs, loss, params, update_rule, rule_kwargs=None, every=1, *,
                          weight=None, average=True, max_norm=None, skip_nonfinite=False,
-                         outputs=None, extra_apply_updates=None, mode=None, apply_mode=None):
+                         outputs=None, extra_apply_updates=None, mode=None, apply_mode=None,
+                         name="accumulate"):
     """Compile the accumulate and apply functions of the two-function form.
 
     Parameters
@@ -151,6 +152,9 @@ def compile_accumulation(inputs, loss, params, update_rule, rule_kwargs=None, ev
     mode, apply_mode : str or Mode, optional
         Compilation modes of the two functions; by default
         :func:`default_modes`. Give `mode` alone to use it for both.
+    name : str
+        Prefix of the accumulation's counters and (when not the default)
+        buffers, as in :func:`lasagne_accum.accumulate_gradients`.
 
     Returns
     -------
@@ -182,7 +186,7 @@ def compile_accumulation(inputs, loss, params, update_rule, rule_kwargs=None, ev
     if not callable(update_rule):
         raise TypeError(f"update_rule must be callable, got {type(update_rule).__name__}")
     acc = accumulate_gradients(loss, params, average=average, weight=weight,
-                               max_norm=max_norm, skip_nonfinite=skip_nonfinite)
+                               max_norm=max_norm, skip_nonfinite=skip_nonfinite, name=name)
     apply = check_rule_updates(update_rule, acc.grads, acc.params, dict(rule_kwargs or {}))
     if callable(extra_apply_updates):
         # e.g. lambda apply: ModelAverage(params, ..., updates=apply).updates, so that

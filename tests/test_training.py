@@ -152,3 +152,16 @@ def test_extra_apply_updates_callable_sees_the_rule_updates():
     w1, w2 = _reference(batches[:2], 2), _reference(batches, 2)
     with avg.apply():  # the average of the values after each step
         np.testing.assert_allclose(w.get_value(), (w1 + w2) / 2, rtol=1e-12)
+
+
+def test_name_prefixes_the_trainers_state_and_an_empty_flush_is_not_a_step():
+    x, y, w, loss = _model()
+    trainer = la.compile_accumulation([x, y], loss, [w], la.adam, dict(learning_rate=LR),
+                                      every=2, name="enc")
+    names = {v.name for v in trainer.apply_updates}
+    assert {"enc.count", "w.enc_grad_accu", "w.adam_m", "adam.t"} <= names
+    assert trainer.accumulation.count.name == "enc.count"
+    trainer.apply_fn()  # called directly on an empty window: nothing moves
+    np.testing.assert_array_equal(w.get_value(), [0.5, -1.0])
+    t = next(v for v in trainer.apply_updates if v.name == "adam.t")
+    assert int(t.get_value()) == 0
