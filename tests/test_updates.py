@@ -14,7 +14,8 @@ import pytensor.tensor as pt
 import pytest
 
 from lasagne_accum import updates as U
-from reference import reference_step as _reference_step  # tests/reference.py
+from reference import assert_close  # tests/reference.py: the suite's one comparison helper
+from reference import reference_step as _reference_step
 
 N_STEPS = 5
 N_BATCH = 6
@@ -119,7 +120,7 @@ def problem(rng):
     )
 
 
-def compare_all(by_name, ref_params, ref_state, dtype, assert_close, step):
+def compare_all(by_name, ref_params, ref_state, dtype, step):
     for name, var in by_name.items():
         value = var.get_value()
         # step counters are int64 whatever the model's dtype (issue 11)
@@ -133,7 +134,7 @@ def compare_all(by_name, ref_params, ref_state, dtype, assert_close, step):
 
 
 @pytest.mark.parametrize("rule", RULES)
-def test_rule_matches_reference_float64_loss(rule, problem, assert_close):
+def test_rule_matches_reference_float64_loss(rule, problem):
     W = pytensor.shared(problem["W"].copy(), name="W")
     b = pytensor.shared(problem["b"].copy(), name="b")
     x, y = pt.matrix("x"), pt.matrix("y")
@@ -148,14 +149,14 @@ def test_rule_matches_reference_float64_loss(rule, problem, assert_close):
     for k in range(N_STEPS):
         f(problem["X"][k], problem["Y"][k])
         reference_step(rule, ref, ls_grads(ref, problem["X"][k], problem["Y"][k]), state)
-        compare_all(by_name, ref, state, "float64", assert_close, k + 1)
+        compare_all(by_name, ref, state, "float64", k + 1)
     # the parameters did move
     assert not np.allclose(W.get_value(), problem["W"])
 
 
 # apply_* are sgd + momentum: their float64 runs and dtype checks cover them.
 @pytest.mark.parametrize("rule", LOSS_RULES)
-def test_rule_matches_reference_float32_grads_list(rule, problem, assert_close):
+def test_rule_matches_reference_float32_grads_list(rule, problem):
     f32 = np.float32
     W = pytensor.shared(problem["W"].astype(f32), name="W", shape=(3, 4))
     b = pytensor.shared(problem["b"].astype(f32), name="b")
@@ -173,13 +174,13 @@ def test_rule_matches_reference_float32_grads_list(rule, problem, assert_close):
         g = {"W": problem["GW"][k].astype(f32), "b": problem["Gb"][k].astype(f32)}
         f(g["W"], g["b"])
         reference_step(rule, ref, g, state, hyper_dtype="float32")
-        compare_all(by_name, ref, state, "float32", assert_close, k + 1)
+        compare_all(by_name, ref, state, "float32", k + 1)
 
 
 # ---------------------------------------------------- 2. amsgrad differs from adam
 
 
-def test_amsgrad_matches_reference_and_differs_from_adam(assert_close):
+def test_amsgrad_matches_reference_and_differs_from_adam():
     hyper = dict(learning_rate=0.1, beta2=0.9)
     w0 = np.array([1.0, -2.0, 0.5])
     w_ams = pytensor.shared(w0.copy(), name="w_ams")
@@ -324,7 +325,7 @@ def test_shared_learning_rate_changes_the_step_of_float32_model(problem):
 # ------------------------------------------------------ 5. PyMC partial
 
 
-def test_rule_without_loss_and_params_returns_partial(problem, assert_close):
+def test_rule_without_loss_and_params_returns_partial(problem):
     rule = U.adam(learning_rate=0.01)
     assert callable(rule) and isinstance(rule, functools.partial)
     assert rule.keywords["learning_rate"] == 0.01
