@@ -26,6 +26,10 @@ Deliberate differences from optax:
 * ``warmup_cosine_decay`` checks ``decay_steps > warmup_steps`` itself and
   names both arguments (optax raises from the inner cosine schedule).
 * Hyperparameters must be finite Python numbers (optax also takes arrays).
+* Values are float64 here. optax evaluates a schedule on its int32 step
+  count, on which several of its schedules return float32 values even with
+  ``jax_enable_x64`` (a relative difference of about 1e-8); given an int64
+  step, optax's values equal these to rounding (the tests check 1e-12).
 """
 
 import math
