@@ -75,11 +75,7 @@ def _build(rule, core, loss_or_grads, params, average, weight, hyper):
         )
     every = check_every(average)
     if every > 1:
-        from .averaged import with_accumulated_gradients
-
-        return with_accumulated_gradients(
-            loss_or_grads, params, every, rule, weight=weight, **hyper
-        )
+        return _accumulated(rule, loss_or_grads, params, every, weight, hyper)
     if weight is not None:
         raise ValueError(
             f"{rule.__name__}(): weight only applies with average > 1 "
@@ -891,6 +887,22 @@ def _with_schedule(rule, core, grads, params, hyper):
     updates = core(grads, params, **dict(hyper, learning_rate=value))
     updates[step] = step + pt.constant(np.int64(1))
     return updates
+
+
+def _accumulated(rule, loss_or_grads, params, every, weight, hyper):
+    """The ``average=N`` form: the rule behind :func:`with_accumulated_gradients`.
+
+    A rule's `name` goes to the rule (its state names) and prefixes the
+    accumulation's counters (``x.count``; ``average.count`` without a name);
+    it must not reach ``with_accumulated_gradients``' own `name` alone.
+    """
+    from .averaged import with_accumulated_gradients
+
+    hyper = dict(hyper)
+    name = hyper.pop("name", None)
+    update_rule = rule if name is None else partial(rule, name=name)
+    return with_accumulated_gradients(loss_or_grads, params, every, update_rule,
+                                      weight=weight, name=name or "average", **hyper)
 
 
 def _evaluate_schedule(schedule, step, rule_name):
