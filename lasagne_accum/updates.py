@@ -6,8 +6,12 @@ value; compile it with ``pytensor.function(inputs, outputs, updates=...)``.
 Signatures, defaults and formulas are Lasagne's, so a script written for
 ``lasagne.updates`` only changes its import.
 
-Three additions, all optional:
+Four additions, all optional:
 
+* ``learning_rate`` may be a schedule, a callable of the optimizer step (see
+  :mod:`lasagne_accum.schedules`): the rule then owns an int64 counter
+  ``<rule>.schedule_step`` that advances once per optimizer step (per apply
+  call in the two-function form, per stepping call with ``average=N``).
 * ``average=N`` (every loss-based rule): the dictionary accumulates the
   gradients of N calls and steps on every N-th call only, in one compiled
   function (see :func:`lasagne_accum.with_accumulated_gradients`).
@@ -970,7 +974,9 @@ def _excluded(exclude, params, rule):
         if id(var) not in position:
             raise ValueError(
                 f"{rule}(): exclude[{j}] ({param_label(var, j)}) is not one of params; "
-                "exclude lists parameters from params (biases, norm scales)"
+                "exclude lists parameters from params (biases, norm scales). Where the "
+                "rule sees only some of them (a parameter-server shard), pass a predicate "
+                "instead, such as exclude=lambda p: p.ndim == 1"
             )
         flags[position[id(var)]] = True
     return flags

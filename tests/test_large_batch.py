@@ -381,3 +381,33 @@ def test_partial_keeps_schedule_and_exclude():
     np.testing.assert_allclose(W.get_value(), np.full(3, 0.95), rtol=1e-14)
     np.testing.assert_allclose(b.get_value(), np.full(3, -0.1), rtol=1e-14)
     assert int(step[0].get_value()) == 1
+
+
+# ------------------------------------------------------------ parameter server
+
+
+def test_parameter_server_lars_schedule_equals_optax():
+    """In the parameter server, one shard per parameter, the schedule counts shard steps.
+
+    A predicate `exclude` works there, where each shard sees only its own
+    parameters (a list naming another shard's parameter would be refused).
+    """
+    from lasagne_accum.distributed import ParameterServer
+
+    rule, kwargs, make_ref = CASES["lars_schedule"]
+    server = ParameterServer(_initial(), rule, kwargs, mode="async", compile_mode=MODE)
+    version, _ = server.register("a")
+    for seq, g in enumerate(_gradients(STEPS)):
+        server.push("a", seq, g, version=version)
+        version, params = server.pull()
+    assert version == (STEPS,) * len(NAMES)
+    with jax.enable_x64(True):
+        tx = make_ref()
+        ref = {k: jnp.asarray(v) for k, v in _initial().items()}
+        state = tx.init(ref)
+        for g in _gradients(STEPS):
+            updates, state = tx.update({k: jnp.asarray(v) for k, v in g.items()}, state, ref)
+            ref = optax.apply_updates(ref, updates)
+    for k in NAMES:
+        np.testing.assert_allclose(params[k], np.asarray(ref[k]), rtol=1e-10, atol=1e-12,
+                                   err_msg=k)
