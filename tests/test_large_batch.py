@@ -411,3 +411,18 @@ def test_parameter_server_lars_schedule_equals_optax():
     for k in NAMES:
         np.testing.assert_allclose(params[k], np.asarray(ref[k]), rtol=1e-10, atol=1e-12,
                                    err_msg=k)
+
+
+def test_jax_mode_average_2_equals_optax_multisteps():
+    """PyTensor's JAX backend compiles the rules, schedules and the lazy step select."""
+    grads = _inputs("float64")
+    params, updates = {}, {}
+    cases = ["adamw_schedule", "lars_exclude", "lamb_schedule", "sgd_schedule"]
+    for case in cases:
+        params[case], upd = _build(case, "float64", grads, average=2)
+        updates.update(upd)
+    fn = pytensor.function(grads, [], updates=updates, mode="JAX")
+    for g in _gradients(STEPS * 2):
+        fn(*_feed(g, "float64"))
+    for case in cases:
+        _check(params[case], case, "float64", every=2)
