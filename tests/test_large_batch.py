@@ -156,10 +156,12 @@ def _optax_run(case, dtype, every=1):
         params = {k: jnp.asarray(v, dtype=dtype) for k, v in _initial().items()}
         state = tx.init(params)
 
-        @jax.jit
         def step(params, state, grads):
             updates, state = tx.update(grads, state, params)
             return optax.apply_updates(params, updates), state
+
+        if every > 1:       # MultiSteps' lax.cond is slow eagerly; jit costs ~1 s
+            step = jax.jit(step)
 
         for g in _gradients(STEPS * every):
             params, state = step(params, state, {k: jnp.asarray(v, dtype=dtype)
