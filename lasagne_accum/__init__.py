@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 
 from . import backends as _backends
 from . import updates
+from . import schedules
 from .accumulate import Accumulation, accumulate_gradients, reset
 from .averaged import SteppingUpdates, with_accumulated_gradients
 from .averaging import ExponentialMovingAverage, ModelAverage
@@ -32,6 +33,7 @@ from .updates import (
     rmsprop,
     sgd,
 )
+from .updates import adamw, lamb, lars
 
 __all__ = [
     "__version__",
@@ -47,6 +49,10 @@ __all__ = [
     "adam",
     "adamax",
     "amsgrad",
+    "adamw",
+    "lars",
+    "lamb",
+    "schedules",
     "get_or_compute_grads",
     "norm_constraint",
     "total_norm_constraint",

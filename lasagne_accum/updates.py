@@ -6,8 +6,12 @@ value; compile it with ``pytensor.function(inputs, outputs, updates=...)``.
 Signatures, defaults and formulas are Lasagne's, so a script written for
 ``lasagne.updates`` only changes its import.
 
-Three additions, all optional:
+Four additions, all optional:
 
+* ``learning_rate`` may be a schedule, a callable of the optimizer step (see
+  :mod:`lasagne_accum.schedules`): the rule then owns an int64 counter
+  ``<rule>.schedule_step`` that advances once per optimizer step (per apply
+  call in the two-function form, per stepping call with ``average=N``).
 * ``average=N`` (every loss-based rule): the dictionary accumulates the
   gradients of N calls and steps on every N-th call only, in one compiled
   function (see :func:`lasagne_accum.with_accumulated_gradients`).
@@ -94,15 +98,7 @@ def _build(rule, core, loss_or_grads, params, average, weight, hyper):
         )
     every = check_every(average)
     if every > 1:
-        from .averaged import with_accumulated_gradients
-
-        hyper = dict(hyper)
-        name = hyper.pop("name", None)
-        update_rule = rule if name is None else partial(rule, name=name)
-        return with_accumulated_gradients(
-            loss_or_grads, params, every, update_rule, weight=weight,
-            name="average" if name is None else name, **hyper
-        )
+        return _accumulated(rule, loss_or_grads, params, every, weight, hyper)
     if weight is not None:
         raise ValueError(
             f"{rule.__name__}(): weight only applies with average > 1 "
@@ -110,7 +106,7 @@ def _build(rule, core, loss_or_grads, params, average, weight, hyper):
         )
     params = check_params(params)
     grads = get_or_compute_grads(loss_or_grads, params)
-    updates = core(grads, params, **hyper)
+    updates = _with_schedule(rule, core, grads, params, hyper)  # a callable learning_rate
     # accu.grads of the two-function form: no step on an empty window
     accumulation = getattr(loss_or_grads, "accumulation", None)
     return updates if accumulation is None else accumulation.guard(updates)
@@ -997,3 +993,541 @@ def amsgrad(loss_or_grads=None, params=None, learning_rate=0.001, beta1=0.9, bet
     """
     return _build(amsgrad, _amsgrad, loss_or_grads, params, average, weight,
                   dict(learning_rate=learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon, name=name))
+
+
+# ------------------------------------------------------------ large-batch rules
+#
+# adamw, lars and lamb (optax's definitions; optax is the reference their tests
+# compare with), the schedule support of `_build` (a callable learning_rate),
+# and the parameter exclusion (`exclude=`) the three rules share.
+
+import numbers  # noqa: E402
+
+from pytensor.compile.sharedvalue import SharedVariable  # noqa: E402
+from pytensor.graph.basic import Variable  # noqa: E402
+
+__all__ += ["adamw", "lars", "lamb"]
+
+
+def _is_schedule(value):
+    return callable(value) and not isinstance(value, Variable)
+
+
+def _with_schedule(rule, core, grads, params, hyper):
+    """Call ``core``; a callable learning_rate gets a step counter owned by the rule.
+
+    The counter (int64 shared scalar ``<name>.schedule_step``, starting at 0)
+    is the schedule's argument, and ``step := step + 1`` joins the rule's
+    updates, so it advances exactly when the rule's updates are applied: once
+    per apply call in the two-function form, once per stepping call with
+    ``average=N`` (the updates sit behind the stepping select).
+    """
+    lr = hyper.get("learning_rate")
+    rule_name = getattr(rule, "__name__", "rule")
+    if lr is None or not _is_schedule(lr):
+        if lr is not None and not isinstance(
+                lr, (numbers.Real, np.number, np.ndarray, Variable)):
+            raise TypeError(
+                f"{rule_name}(): learning_rate must be a number, a symbolic scalar or a "
+                "schedule (a callable of the optimizer step, see lasagne_accum.schedules), "
+                f"got {type(lr).__name__}"
+            )
+        return core(grads, params, **hyper)
+    prefix = hyper.get("name") or rule_name
+    step = scalar_state(f"{prefix}.schedule_step", "int64")
+    value = _evaluate_schedule(lr, step, rule_name)
+    updates = core(grads, params, **dict(hyper, learning_rate=value))
+    updates[step] = step + pt.constant(np.int64(1))
+    return updates
+
+
+def _accumulated(rule, loss_or_grads, params, every, weight, hyper):
+    """The ``average=N`` form: the rule behind :func:`with_accumulated_gradients`.
+
+    A rule's `name` goes to the rule (its state names) and prefixes the
+    accumulation's counters (``x.count``; ``average.count`` without a name);
+    it must not reach ``with_accumulated_gradients``' own `name` alone.
+    """
+    from .averaged import with_accumulated_gradients
+
+    hyper = dict(hyper)
+    name = hyper.pop("name", None)
+    update_rule = rule if name is None else partial(rule, name=name)
+    return with_accumulated_gradients(loss_or_grads, params, every, update_rule,
+                                      weight=weight, name=name or "average", **hyper)
+
+
+def _evaluate_schedule(schedule, step, rule_name):
+    """``schedule(step)`` on the symbolic step, checked to be a scalar."""
+    label = getattr(schedule, "__name__", None) or type(schedule).__name__
+    try:
+        value = schedule(step)
+    except Exception as exc:
+        raise TypeError(
+            f"{rule_name}(): the learning_rate schedule {label} failed on the symbolic "
+            f"int64 step ({type(exc).__name__}: {exc}); a schedule is called once, "
+            "with a symbolic step, so build it from lasagne_accum.schedules or "
+            "pytensor.tensor operations (pt.switch rather than if)"
+        ) from exc
+    if isinstance(value, (bool, np.bool_)) or value is None:
+        raise TypeError(
+            f"{rule_name}(): the learning_rate schedule {label} returned {value!r}; it must "
+            "return a scalar (a number or a symbolic scalar)"
+        )
+    if isinstance(value, (numbers.Real, np.number)):
+        return value
+    if isinstance(value, np.ndarray) or isinstance(value, Variable):
+        ndim = value.ndim if isinstance(value, np.ndarray) else getattr(value.type, "ndim", None)
+        if ndim != 0:
+            raise ValueError(
+                f"{rule_name}(): the learning_rate schedule {label} returned a value with "
+                f"{ndim} dimensions ({getattr(value, 'type', value.shape)}); it must return a "
+                "scalar for a scalar step"
+            )
+        return value if isinstance(value, Variable) else value[()]
+    raise TypeError(
+        f"{rule_name}(): the learning_rate schedule {label} returned "
+        f"{type(value).__name__}; it must return a scalar (a number or a symbolic scalar)"
+    )
+
+
+def _excluded(exclude, params, rule):
+    """One bool per parameter: True where `exclude` names it."""
+    if exclude is None:
+        return [False] * len(params)
+    if isinstance(exclude, SharedVariable):
+        raise TypeError(
+            f"{rule}(): exclude must be a list of parameters or a predicate, got the "
+            f"single shared variable {param_label(exclude)}; wrap it in a list"
+        )
+    if callable(exclude):
+        flags = []
+        for i, p in enumerate(params):
+            flag = exclude(p)
+            if not isinstance(flag, (bool, np.bool_)):
+                raise TypeError(
+                    f"{rule}(): exclude({param_label(p, i)}) returned "
+                    f"{type(flag).__name__}; the predicate must return True or False"
+                )
+            flags.append(bool(flag))
+        return flags
+    if isinstance(exclude, (str, dict)) or not hasattr(exclude, "__iter__"):
+        raise TypeError(
+            f"{rule}(): exclude must be a list of parameters or a predicate on a shared "
+            f"variable, got {type(exclude).__name__}"
+        )
+    position = {id(p): i for i, p in enumerate(params)}
+    flags = [False] * len(params)
+    for j, var in enumerate(exclude):
+        if id(var) not in position:
+            raise ValueError(
+                f"{rule}(): exclude[{j}] ({param_label(var, j)}) is not one of params; "
+                "exclude lists parameters from params (biases, norm scales). Where the "
+                "rule sees only some of them (a parameter-server shard), pass a predicate "
+                "instead, such as exclude=lambda p: p.ndim == 1"
+            )
+        flags[position[id(var)]] = True
+    return flags
+
+
+def _positive(value, name, rule, reason):
+    """Check a Python number > 0 (symbolic values cannot be checked)."""
+    if isinstance(value, (numbers.Real, np.number)) and not isinstance(value, bool):
+        if not float(value) > 0:
+            raise ValueError(f"{rule}(): {name} must be > 0, got {value}: {reason}")
+
+
+def _norm(x):
+    return pt.sqrt(pt.sum(x * x))
+
+
+def _trust_ratio(param, update, coefficient, eps):
+    """``coefficient * ||param|| / (||update|| + eps)``, 1 where either norm is 0."""
+    p_norm, u_norm = _norm(param), _norm(update)
+    ratio = coefficient * p_norm / (u_norm + eps)
+    zero = pt.or_(pt.eq(p_norm, 0), pt.eq(u_norm, 0))
+    return pt.switch(zero, pt.constant(np.asarray(1, dtype=param.type.dtype)), ratio)
+
+
+def _adam_direction(grads, params, beta1, beta2, epsilon, prefix):
+    """Bias-corrected Adam directions ``m_hat / (sqrt(v_hat) + epsilon)`` and their updates.
+
+    The int64 timestep ``<prefix>.t`` and the moments ``<param>.<prefix>_m/_v``
+    are created here; the bias corrections are computed in float64 and cast
+    to each parameter's dtype, as optax does.
+    """
+    t_prev = scalar_state(f"{prefix}.t", "int64")
+    t = t_prev + pt.constant(np.int64(1))
+    t_float = pt.cast(t, "float64")
+    b1_t = hyperparameter(beta1, "beta1", "float64", low=0, high=1, high_open=True)
+    b2_t = hyperparameter(beta2, "beta2", "float64", low=0, high=1)
+    correction1, correction2 = 1 - b1_t ** t_float, 1 - b2_t ** t_float
+    updates, directions = OrderedDict(), []
+    for i, (param, g) in enumerate(zip(params, grads)):
+        dtype = param.type.dtype
+        b1 = hyperparameter(beta1, "beta1", dtype)
+        b2 = hyperparameter(beta2, "beta2", dtype)
+        eps = hyperparameter(epsilon, "epsilon", dtype, low=0)
+        m_prev = state_like(param, f"{prefix}_m", i)
+        v_prev = state_like(param, f"{prefix}_v", i)
+        m = b1 * m_prev + (1 - b1) * g
+        v = b2 * v_prev + (1 - b2) * g ** 2
+        updates[m_prev], updates[v_prev] = m, v
+        m_hat = m / _cast(correction1, dtype)
+        v_hat = v / _cast(correction2, dtype)
+        directions.append(m_hat / (pt.sqrt(v_hat) + eps))
+    return directions, updates, (t_prev, t)
+
+
+def _decay(weight_decay):
+    """False when weight_decay is the number 0 (no decay term in the graph)."""
+    return not (isinstance(weight_decay, (numbers.Real, np.number))
+                and not isinstance(weight_decay, bool) and float(weight_decay) == 0.0)
+
+
+def _adamw(grads, params, learning_rate, beta1, beta2, epsilon, weight_decay, exclude, name):
+    prefix = name or "adamw"
+    excluded = _excluded(exclude, params, "adamw")
+    directions, updates, (t_prev, t) = _adam_direction(grads, params, beta1, beta2, epsilon,
+                                                       prefix)
+    for param, u, skip in zip(params, directions, excluded):
+        dtype = param.type.dtype
+        lr = hyperparameter(learning_rate, "learning_rate", dtype, low=0)
+        wd = hyperparameter(weight_decay, "weight_decay", dtype, low=0)
+        if _decay(weight_decay) and not skip:
+            u = u + wd * param
+        updates[param] = param - lr * u
+    updates[t_prev] = t
+    return updates
+
+
+@_rule
+def adamw(loss_or_grads=None, params=None, learning_rate=1e-3, beta1=0.9, beta2=0.999,
+          epsilon=1e-8, weight_decay=1e-4, *, exclude=None, average=1, weight=None,
+          name=None):
+    """AdamW updates: Adam with decoupled weight decay.
+
+    AdamW as in [1]_ and ``optax.adamw``: bias-corrected moments, epsilon
+    added to ``sqrt(v_hat)``, and a weight decay that is not mixed into the
+    moments:
+
+    * ``t := t + 1``
+    * ``m := beta1 * m + (1 - beta1) * gradient``
+    * ``v := beta2 * v + (1 - beta2) * gradient ** 2``
+    * ``u = (m / (1 - beta1 ** t)) / (sqrt(v / (1 - beta2 ** t)) + epsilon)``
+    * ``u = u + weight_decay * param`` (not for parameters in `exclude`)
+    * ``param := param - learning_rate * u``
+
+    Parameters
+    ----------
+    loss_or_grads : symbolic expression or list of expressions
+        A scalar loss expression, or a list of gradient expressions.
+    params : list of shared variables
+        The variables to generate update expressions for.
+    learning_rate : float, symbolic scalar or schedule
+        Learning rate. Default 0.001 (Adam's). A schedule (a callable of the
+        optimizer step, see :mod:`lasagne_accum.schedules`) is evaluated on
+        an int64 step counter the rule owns, ``adamw.schedule_step``, that
+        counts optimizer steps: once per apply in the two-function form,
+        once per stepping call with ``average=N``. The decay is scaled by it
+        too, as in optax.
+    beta1 : float or symbolic scalar
+        Decay rate of the first moment, in [0, 1). Default 0.9.
+    beta2 : float or symbolic scalar
+        Decay rate of the second moment, in [0, 1]. Default 0.999.
+    epsilon : float or symbolic scalar
+        Added to ``sqrt(v_hat)`` (the paper's and optax's place). Default 1e-8.
+    weight_decay : float or symbolic scalar
+        Decoupled decay coefficient, >= 0. Default 1e-4 (optax's).
+    exclude : list of shared variables or callable, optional
+        Parameters that get no weight decay (biases, norm scales), or a
+        predicate ``exclude(param) -> bool``: optax's ``mask``, inverted.
+    average : int
+        Accumulate the mean gradient of this many calls and step on every
+        `average`-th call only (default 1); the timestep counts steps.
+    weight : symbolic scalar, optional
+        With ``average > 1``: this call's weight in the mean.
+    name : str, optional
+        Replaces ``adamw`` in the state names (``W.adamw_m``, ``W.adamw_v``,
+        ``adamw.t``).
+
+    Returns
+    -------
+    OrderedDict
+        A dictionary mapping each parameter and its moments to their updates;
+        the int64 timestep ``adamw.t`` comes last.
+
+    Raises
+    ------
+    ValueError
+        If `weight_decay`, `learning_rate` or `epsilon` is a negative number,
+        a beta lies outside its range, or `exclude` names a non-parameter.
+    TypeError
+        If `learning_rate` is neither a number, a symbolic scalar nor a
+        schedule, or a schedule does not return a scalar.
+
+    Notes
+    -----
+    Against ``optax.adamw(learning_rate, b1, b2, eps, weight_decay=...,
+    mask=...)`` (``eps_root=0``, no Nesterov), which the tests compare with:
+    the same arithmetic; ``exclude`` lists what optax's mask leaves out.
+    Unlike :func:`adam` (Lasagne's, epsilon against the uncorrected
+    ``sqrt(v)``), epsilon here acts on the bias-corrected ``sqrt(v_hat)``.
+
+    References
+    ----------
+    .. [1] Loshchilov, I. & Hutter, F. (2019): Decoupled Weight Decay
+       Regularization. ICLR 2019. arXiv:1711.05101.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor
+    >>> w = pytensor.shared(np.array([1.0, -1.0]), name="w")
+    >>> f = pytensor.function([], [], updates=adamw((w ** 2).sum(), [w], 0.1,
+    ...                                              weight_decay=0.5))
+    >>> _ = f()
+    >>> w.get_value().round(6)  # 1 - 0.1 * (1 + 0.5 * 1): the first Adam step is 1
+    array([ 0.85, -0.85])
+    """
+    return _build(adamw, _adamw, loss_or_grads, params, average, weight,
+                  dict(learning_rate=learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon,
+                       weight_decay=weight_decay, exclude=exclude, name=name))
+
+
+def _lars(grads, params, learning_rate, momentum, weight_decay, trust_coefficient, eps,
+          nesterov, exclude, name):
+    _require(learning_rate, "learning_rate", "lars")
+    _positive(trust_coefficient, "trust_coefficient", "lars",
+              "it scales every step (0 would freeze the parameters); the paper uses 0.001")
+    prefix = name or "lars"
+    excluded = _excluded(exclude, params, "lars")
+    updates = OrderedDict()
+    for i, (param, g, skip) in enumerate(zip(params, grads, excluded)):
+        dtype = param.type.dtype
+        lr = hyperparameter(learning_rate, "learning_rate", dtype, low=0)
+        mom = hyperparameter(momentum, "momentum", dtype, low=0, high=1)
+        wd = hyperparameter(weight_decay, "weight_decay", dtype, low=0)
+        coefficient = hyperparameter(trust_coefficient, "trust_coefficient", dtype, low=0)
+        epsilon = hyperparameter(eps, "eps", dtype, low=0)
+        u = g
+        if not skip:
+            if _decay(weight_decay):
+                u = u + wd * param
+            u = u * _trust_ratio(param, u, coefficient, epsilon)
+        u = -lr * u
+        trace = state_like(param, f"{prefix}_momentum", i)
+        trace_new = u + mom * trace
+        updates[trace] = trace_new
+        updates[param] = param + (u + mom * trace_new if nesterov else trace_new)
+    return updates
+
+
+@_rule
+def lars(loss_or_grads=None, params=None, learning_rate=None, momentum=0.9, weight_decay=0.0,
+         trust_coefficient=0.001, eps=0.0, nesterov=False, *, exclude=None, average=1,
+         weight=None, name=None):
+    """LARS updates: SGD with momentum and layer-wise trust ratios.
+
+    Layer-wise Adaptive Rate Scaling as in [1]_ and ``optax.lars``. Per
+    parameter (``||.||`` is the norm over all its elements):
+
+    * ``u = gradient + weight_decay * param``
+    * ``u = u * trust_coefficient * ||param|| / (||u|| + eps)``, the ratio
+      taken as 1 where ``||param||`` or ``||u||`` is 0
+    * ``trace := momentum * trace - learning_rate * u``
+    * ``param := param + trace`` (Nesterov: ``param := param + momentum *
+      trace - learning_rate * u``)
+
+    Parameters in `exclude` skip the first two lines (plain momentum SGD).
+
+    Parameters
+    ----------
+    loss_or_grads : symbolic expression or list of expressions
+        A scalar loss expression, or a list of gradient expressions.
+    params : list of shared variables
+        The variables to generate update expressions for.
+    learning_rate : float, symbolic scalar or schedule
+        The global learning rate (required). A schedule (a callable of the
+        optimizer step, see :mod:`lasagne_accum.schedules`) is evaluated on
+        an int64 step counter the rule owns, ``lars.schedule_step``, that
+        counts optimizer steps: once per apply in the two-function form,
+        once per stepping call with ``average=N``. The trace holds
+        learning-rate-scaled steps, as in optax.
+    momentum : float or symbolic scalar
+        Decay of the momentum trace, in [0, 1]. Default 0.9.
+    weight_decay : float or symbolic scalar
+        L2 coefficient added to the gradient before the trust ratio, >= 0.
+        Default 0.
+    trust_coefficient : float or symbolic scalar
+        The paper's eta, > 0. Default 0.001 (the paper's and optax's).
+    eps : float or symbolic scalar
+        Added to ``||u||`` in the ratio, >= 0. Default 0.
+    nesterov : bool
+        Nesterov's form of the momentum. Default False.
+    exclude : list of shared variables or callable, optional
+        Parameters without weight decay and trust ratio (biases, batch-norm
+        scales, as in [1]_), or a predicate ``exclude(param) -> bool``:
+        optax's ``weight_decay_mask`` and ``trust_ratio_mask``, inverted.
+    average : int
+        Accumulate the mean gradient of this many calls and step on every
+        `average`-th call only (default 1).
+    weight : symbolic scalar, optional
+        With ``average > 1``: this call's weight in the mean.
+    name : str, optional
+        Replaces ``lars`` in the state names (``W.lars_momentum``).
+
+    Returns
+    -------
+    OrderedDict
+        A dictionary mapping each parameter and its trace to their updates.
+
+    Raises
+    ------
+    ValueError
+        If `trust_coefficient` <= 0, `weight_decay`, `eps` or `learning_rate`
+        is a negative number, `momentum` lies outside [0, 1], or `exclude`
+        names a non-parameter.
+    TypeError
+        If `learning_rate` is missing, or a schedule does not return a scalar.
+
+    Notes
+    -----
+    Against ``optax.lars(learning_rate, weight_decay, weight_decay_mask,
+    trust_coefficient, eps, trust_ratio_mask, momentum, nesterov)``, which
+    the tests compare with: the same arithmetic, one ``exclude`` for both of
+    optax's masks (a parameter excluded from one is excluded from both).
+
+    References
+    ----------
+    .. [1] You, Y., Gitman, I. & Ginsburg, B. (2017): Large Batch Training of
+       Convolutional Networks. arXiv:1708.03888.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor
+    >>> w = pytensor.shared(np.array([3.0, 4.0]), name="w")
+    >>> f = pytensor.function([], [], updates=lars((w ** 2).sum(), [w], 1.0,
+    ...                                             trust_coefficient=0.1))
+    >>> _ = f()
+    >>> w.get_value()  # ratio 0.1 * 5 / 10: a step of 0.05 * gradient [6, 8]
+    array([2.7, 3.6])
+    """
+    return _build(lars, _lars, loss_or_grads, params, average, weight,
+                  dict(learning_rate=learning_rate, momentum=momentum,
+                       weight_decay=weight_decay, trust_coefficient=trust_coefficient,
+                       eps=eps, nesterov=nesterov, exclude=exclude, name=name))
+
+
+def _lamb(grads, params, learning_rate, beta1, beta2, epsilon, weight_decay, exclude, name):
+    prefix = name or "lamb"
+    excluded = _excluded(exclude, params, "lamb")
+    directions, updates, (t_prev, t) = _adam_direction(grads, params, beta1, beta2, epsilon,
+                                                       prefix)
+    for param, u, skip in zip(params, directions, excluded):
+        dtype = param.type.dtype
+        lr = hyperparameter(learning_rate, "learning_rate", dtype, low=0)
+        wd = hyperparameter(weight_decay, "weight_decay", dtype, low=0)
+        if not skip:
+            if _decay(weight_decay):
+                u = u + wd * param
+            one = pt.constant(np.asarray(1, dtype=dtype))
+            zero = pt.constant(np.asarray(0, dtype=dtype))
+            u = u * _trust_ratio(param, u, one, zero)
+        updates[param] = param - lr * u
+    updates[t_prev] = t
+    return updates
+
+
+@_rule
+def lamb(loss_or_grads=None, params=None, learning_rate=1e-3, beta1=0.9, beta2=0.999,
+         epsilon=1e-6, weight_decay=0.0, *, exclude=None, average=1, weight=None, name=None):
+    """LAMB updates: Adam directions with layer-wise trust ratios.
+
+    LAMB as in [1]_ and ``optax.lamb``. Per parameter (``||.||`` is the norm
+    over all its elements):
+
+    * ``t := t + 1``
+    * ``m := beta1 * m + (1 - beta1) * gradient``
+    * ``v := beta2 * v + (1 - beta2) * gradient ** 2``
+    * ``u = (m / (1 - beta1 ** t)) / (sqrt(v / (1 - beta2 ** t)) + epsilon)
+      + weight_decay * param``
+    * ``param := param - learning_rate * (||param|| / ||u||) * u``, the ratio
+      taken as 1 where ``||param||`` or ``||u||`` is 0
+
+    Parameters in `exclude` get neither the decay nor the ratio (Adam).
+
+    Parameters
+    ----------
+    loss_or_grads : symbolic expression or list of expressions
+        A scalar loss expression, or a list of gradient expressions.
+    params : list of shared variables
+        The variables to generate update expressions for.
+    learning_rate : float, symbolic scalar or schedule
+        Learning rate. Default 0.001 (optax's). A schedule (a callable of the
+        optimizer step, see :mod:`lasagne_accum.schedules`) is evaluated on
+        an int64 step counter the rule owns, ``lamb.schedule_step``, that
+        counts optimizer steps: once per apply in the two-function form,
+        once per stepping call with ``average=N``.
+    beta1 : float or symbolic scalar
+        Decay rate of the first moment, in [0, 1). Default 0.9.
+    beta2 : float or symbolic scalar
+        Decay rate of the second moment, in [0, 1]. Default 0.999.
+    epsilon : float or symbolic scalar
+        Added to ``sqrt(v_hat)``. Default 1e-6 (the paper's and optax's).
+    weight_decay : float or symbolic scalar
+        Decoupled decay coefficient, >= 0. Default 0.
+    exclude : list of shared variables or callable, optional
+        Parameters without weight decay and trust ratio (biases, layer-norm
+        scales), or a predicate ``exclude(param) -> bool``.
+    average : int
+        Accumulate the mean gradient of this many calls and step on every
+        `average`-th call only (default 1); the timestep counts steps.
+    weight : symbolic scalar, optional
+        With ``average > 1``: this call's weight in the mean.
+    name : str, optional
+        Replaces ``lamb`` in the state names (``W.lamb_m``, ``W.lamb_v``,
+        ``lamb.t``).
+
+    Returns
+    -------
+    OrderedDict
+        A dictionary mapping each parameter and its moments to their updates;
+        the int64 timestep ``lamb.t`` comes last.
+
+    Raises
+    ------
+    ValueError
+        If `weight_decay`, `learning_rate` or `epsilon` is a negative number,
+        a beta lies outside its range, or `exclude` names a non-parameter.
+    TypeError
+        If `learning_rate` is neither a number, a symbolic scalar nor a
+        schedule, or a schedule does not return a scalar.
+
+    Notes
+    -----
+    Against ``optax.lamb(learning_rate, b1, b2, eps, eps_root=0,
+    weight_decay, mask)``, one deliberate difference: optax's `mask` removes
+    the decay only and keeps the trust ratio for every parameter, while
+    `exclude` removes both, as the LAMB paper's BERT setup does for biases and
+    layer-norm parameters. Without `exclude` the two are the same
+    arithmetic; with it, ours equals optax's chain ``scale_by_adam``,
+    masked ``add_decayed_weights``, masked ``scale_by_trust_ratio``,
+    ``scale_by_learning_rate`` (what the tests compare with).
+
+    References
+    ----------
+    .. [1] You, Y. et al. (2020): Large Batch Optimization for Deep Learning:
+       Training BERT in 76 minutes. ICLR 2020. arXiv:1904.00962.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor
+    >>> w = pytensor.shared(np.array([3.0, 4.0]), name="w")
+    >>> f = pytensor.function([], [], updates=lamb((w ** 2).sum(), [w], 0.1, epsilon=0.0))
+    >>> _ = f()
+    >>> w.get_value().round(6)  # u = [1, 1]; ratio 5 / sqrt(2)
+    array([2.646447, 3.646447])
+    """
+    return _build(lamb, _lamb, loss_or_grads, params, average, weight,
+                  dict(learning_rate=learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon,
+                       weight_decay=weight_decay, exclude=exclude, name=name))
