@@ -378,7 +378,7 @@ def _read_member(fh, member, path, expected, max_bytes=None):
     return array.reshape(shape[::-1]).T if fortran else array.reshape(shape)
 
 
-def read_arrays(path, expected, *, strict=True, max_bytes=1 << 26):
+def read_arrays(path, expected, *, strict=True, optional=(), max_bytes=1 << 26):
     """Read named arrays from a checkpoint, checking every header before any data.
 
     Parameters
@@ -388,8 +388,11 @@ def read_arrays(path, expected, *, strict=True, max_bytes=1 << 26):
         ``{name: (shape, dtype)}``; `shape` None accepts any shape (up to
         `max_bytes`), `dtype` None any dtype.
     strict : bool
-        True: the file must hold exactly these names. False: names missing
-        on either side are skipped.
+        True: the file must hold exactly these names (but those in
+        `optional` may be missing). False: names missing on either side are
+        skipped.
+    optional : collection of str
+        Names that may be missing even when `strict`.
     max_bytes : int
         The largest entry of free shape that is read.
 
@@ -416,7 +419,7 @@ def read_arrays(path, expected, *, strict=True, max_bytes=1 << 26):
         index = _index(zf, path)
         problems = []
         if strict:
-            missing = [n for n in expected if n not in index]
+            missing = [n for n in expected if n not in index and n not in optional]
             extra = [n for n in index if n not in expected]
             if missing:
                 problems.append(f"missing in the checkpoint: {', '.join(missing)}")
