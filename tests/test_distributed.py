@@ -650,6 +650,22 @@ def test_retry_after_load_is_not_applied_twice(tmp_path, mode):
     assert restarted.pull()[1]["w"].tolist() == [-2.0, -4.0]
 
 
+def test_blocking_calls_time_out_with_a_clear_error():
+    """Issue 15 item 3: a sync push waiting for a worker that never pushes, without round_timeout."""
+    from lasagne_accum.distributed import ServerTimeoutError
+
+    server = ParameterServer({"w": np.zeros(2)}, sgd, dict(learning_rate=1.0), mode="sync",
+                             wait_timeout=0.5)
+    for w in ("a", "silent"):
+        server.register(w)
+    start = time.monotonic()
+    with pytest.raises(ServerTimeoutError, match=r"waited 0.5 s for sync round 0.*'silent'"):
+        server.push("a", 0, {"w": np.ones(2)}, version=(0,))
+    assert 0.45 < time.monotonic() - start < 5
+    with pytest.raises(ValueError, match="wait_timeout must be a number of seconds > 0"):
+        ParameterServer({"w": np.zeros(2)}, sgd, dict(learning_rate=1.0), wait_timeout=0)
+
+
 # ------------------------------------------------------------------ accumulation traffic
 
 

@@ -254,6 +254,17 @@ class DaskParameterServer(BaseServer):
             groups.setdefault(self._group_of[i], []).append((pos, self.shard_names[i], args))
         return groups
 
+    def _invoke(self, g, method, *args):
+        """Start ``actor.method(*args)`` on group `g`'s actor; ShardLostError if it is gone."""
+        try:
+            return getattr(self._actors[g], method)(*args)
+        except (OSError, EOFError, RuntimeError, ValueError) as exc:
+            names = [s for s, h in self.placement.items() if h == self.hosts[g]]
+            raise ShardLostError(
+                f"{method}: the process holding shard(s) {', '.join(map(repr, names))} on "
+                f"{self.hosts[g]} is lost ({type(exc).__name__}: {exc}); their state since "
+                "the last checkpoint is lost: restart from a checkpoint") from exc
+
     def _result(self, g, future, what, extra=0.0):
         """`future`'s result within the timeout; ShardLostError if the process is gone."""
         timeout = self.options.wait_timeout + _GRACE + extra
@@ -298,7 +309,7 @@ class DaskParameterServer(BaseServer):
 
     def _call(self, indices, method, args_list):
         groups = self._groups(indices, args_list)
-        futures = {g: self._actors[g].call_async(method, [(n, a) for _, n, a in items])
+        futures = {g: self._invoke(g, "call_async", method, [(n, a) for _, n, a in items])
                    for g, items in groups.items()}
         return self._gather(len(indices), groups, futures, method)
 
@@ -307,14 +318,14 @@ class DaskParameterServer(BaseServer):
         need_check = len(groups) > 1 and (self.mode == "sync" or any(
             c[4] > self._known[i] for i, c in zip(indices, calls)))
         if need_check:          # all or nothing across processes: check everywhere first
-            futures = {g: self._actors[g].check_many(
-                [(n, (c[0], c[1], None, None, c[4])) for _, n, c in items])
+            futures = {g: self._invoke(g, "check_many",
+                                       [(n, (c[0], c[1], None, None, c[4])) for _, n, c in items])
                        for g, items in groups.items()}
             for g, future in futures.items():
                 ok, exc = self._result(g, future, "push (check)")
                 if not ok:
                     raise exc
-        futures = {g: self._actors[g].push_many([(n, c) for _, n, c in items], pull, wait)
+        futures = {g: self._invoke(g, "push_many", [(n, c) for _, n, c in items], pull, wait)
                    for g, items in groups.items()}
         results, error = [None] * len(indices), None
         for g, items in groups.items():
@@ -343,8 +354,8 @@ class DaskParameterServer(BaseServer):
 
     def actor_pids(self):
         """``{worker address: process id}`` of the processes holding shards."""
-        return {self.hosts[g]: a.pid().result(timeout=self.options.wait_timeout)
-                for g, a in enumerate(self._actors)}
+        return {self.hosts[g]: self._result(g, self._invoke(g, "pid"), "pid")
+                for g in range(len(self._actors))}
 
     def close(self):
         """Release the shard actors (their state is lost: :meth:`save` first)."""
