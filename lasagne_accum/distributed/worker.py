@@ -124,12 +124,12 @@ class Worker:
         pushes, batches, examples, bytes pushed, ``losses`` as ``(wall time,
         loss, examples)``, ``staleness`` per push, start and end wall times,
         ``server_s`` (seconds spent in push calls: transfer, waiting for the
-        round, applying).
+        round, applying) and ``push_s`` (each push call's seconds).
         The worker unregisters at the end, also when it fails.
         """
         report = dict(worker=self.worker_id, pushes=0, batches=0, examples=0.0, bytes=0,
                       duplicates=0, losses=[], staleness=[], compile_s=self.compile_seconds,
-                      server_s=0.0)
+                      server_s=0.0, push_s=[])
         try:
             if register:
                 self.version, values = self.server.register(self.worker_id)
@@ -172,7 +172,9 @@ class Worker:
         start = time.perf_counter()
         result = self.server.push(self.worker_id, self.seq, grads, weight=float(total),
                                   version=self.version, pull=True)
-        report["server_s"] += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        report["server_s"] += elapsed
+        report["push_s"].append(elapsed)
         self.seq += 1
         report["pushes"] += 1
         report["examples"] += float(total)
