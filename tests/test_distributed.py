@@ -666,6 +666,26 @@ def test_blocking_calls_time_out_with_a_clear_error():
         ParameterServer({"w": np.zeros(2)}, sgd, dict(learning_rate=1.0), wait_timeout=0)
 
 
+def _slow(batches, delay):
+    for b in batches:
+        time.sleep(delay)
+        yield b
+
+
+def test_checkpoint_every_saves_while_training_local(tmp_path):
+    path = tmp_path / "ps.npz"
+    data = [_slow(batches_for(80, [4] * 12), 0.05)]
+    result = train(build_model, data, sgd, dict(learning_rate=0.1), mode="async",
+                   compile_mode="CVM", checkpoint_to=path, checkpoint_every=0.1)
+    assert result.checkpoints >= 2                     # ~0.6 s of training, a save per 0.1 s
+    fresh = ParameterServer({p.name: p.get_value() for p in build_model()[2]}, sgd,
+                            dict(learning_rate=0.1), mode="async")
+    fresh.load(path)                                   # the final save: the end state
+    assert fresh.pull()[0] == result.version == (12,) * 4
+    with pytest.raises(ValueError, match="checkpoint_every= needs checkpoint_to="):
+        train(build_model, data, sgd, dict(learning_rate=0.1), checkpoint_every=1.0)
+
+
 # ------------------------------------------------------------------ accumulation traffic
 
 

@@ -185,9 +185,9 @@ def train(build_model, worker_batches, update_rule, rule_kwargs=None, *, n_worke
         Load the server's state before training; save it after.
     checkpoint_every : float, optional
         Also save to `checkpoint_to` every this many seconds while training
-        runs (atomic, through :func:`lasagne_accum.state.save_arrays`), so a
-        lost shard process costs at most that much training: restart with
-        ``resume_from=checkpoint_to``.
+        runs (atomic, through :func:`lasagne_accum.state.save_arrays`; both
+        backends), so a lost shard process costs at most that much training:
+        restart with ``resume_from=checkpoint_to``.
     server : ParameterServer or DaskParameterServer, optional
         Keep training on an existing server (then `update_rule` and the
         server options are not used).
@@ -234,8 +234,11 @@ def train(build_model, worker_batches, update_rule, rule_kwargs=None, *, n_worke
         if resume_from is not None:
             server.load(resume_from)
         batches = [b() if callable(b) else b for b in per]
-        reports, history = run_local(server, build_model, batches, **run)
-        return _finish(server, reports, history, "local", checkpoint_to, keep=server)
+        saver = _Saver(server, checkpoint_to, checkpoint_every)
+        reports, history = run_local(server, build_model, batches,
+                                     checkpoint=saver if checkpoint_every else None, **run)
+        return _finish(server, reports, history, "local", checkpoint_to, keep=server,
+                       saves=saver.count)
 
     from .dask import DaskParameterServer, connect, local_cluster, run_dask
 

@@ -27,7 +27,8 @@ def snapshot(server):
 
 
 def run_local(server, build_model, worker_batches, *, accumulate=1, model_kwargs=None,
-              compile_mode=None, snapshot_interval=None, worker_ids=None):
+              compile_mode=None, snapshot_interval=None, worker_ids=None, checkpoint=None,
+              tick=0.1):
     """Run one thread per entry of `worker_batches` against `server`.
 
     Parameters
@@ -44,6 +45,9 @@ def run_local(server, build_model, worker_batches, *, accumulate=1, model_kwargs
         server (for loss-versus-time curves).
     worker_ids : list, optional
         Default ``worker0``, ``worker1``...
+    checkpoint : callable, optional
+        Called every `tick` seconds while the workers run (the caller
+        decides when to save).
 
     Returns
     -------
@@ -91,13 +95,18 @@ def run_local(server, build_model, worker_batches, *, accumulate=1, model_kwargs
             alive = [t for t in threads if t.is_alive()]
             if not alive:
                 break
-            if not snapshot_interval:
+            if not snapshot_interval and checkpoint is None:
                 alive[0].join()
                 continue
-            alive[0].join(timeout=max(0.0, due - time.monotonic()))
-            if time.monotonic() >= due:
+            wait = tick if checkpoint is not None else max(0.0, due - time.monotonic())
+            if snapshot_interval:
+                wait = min(wait, max(0.0, due - time.monotonic()))
+            alive[0].join(timeout=wait)
+            if snapshot_interval and time.monotonic() >= due:
                 history.append(snapshot(server))
                 due += snapshot_interval
+            if checkpoint is not None:
+                checkpoint()
     finally:
         for t in threads:
             t.join()
