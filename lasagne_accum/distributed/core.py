@@ -50,4 +50,13 @@ __all__ = [
     "ShardLostError",
     "MODES",
     "MERGES",
+    "ApplyFunction",
+    "Rounds",
+    "Seen",
+    "push_atomic",
+    "check_grads",
+    "named_params",
+    "param_specs",
+    "plan_shards",
+    "model_spec",
 ]

@@ -449,7 +449,7 @@ def _trainer_addresses(client, server, n):
 
 def run_dask(server, client, build_model, worker_batches, *, accumulate=1, model_kwargs=None,
              compile_mode=None, snapshot_interval=None, worker_ids=None, checkpoint=None,
-             lost=None, tick=0.1):
+             lost=None, tick=0.5):
     """Run one Dask task per entry of `worker_batches` against `server`.
 
     Same arguments and result as :func:`lasagne_accum.distributed.local.run_local`;
@@ -483,15 +483,21 @@ def run_dask(server, client, build_model, worker_batches, *, accumulate=1, model
         if barrier is not None:
             _release_when_ready(distributed, client, ids, futures, barrier, pinned, dead)
         due = time.monotonic() + (snapshot_interval or 0)
+        look = time.monotonic() + tick
         while True:
             pending = [f for k, f in enumerate(futures) if not f.done() and k not in dead]
             if not pending:
                 break
+            wait = max(0.01, look - time.monotonic())
+            if snapshot_interval:
+                wait = min(wait, max(0.01, due - time.monotonic()))
             try:
-                distributed.wait(pending, timeout=tick, return_when="FIRST_COMPLETED")
+                distributed.wait(pending, timeout=wait, return_when="FIRST_COMPLETED")
             except (TimeoutError, getattr(distributed, "TimeoutError", TimeoutError)):
                 pass
-            _find_dead(client, server, ids, futures, pinned, dead, lost)
+            if time.monotonic() >= look:      # one scheduler query per tick, not per wake-up
+                _find_dead(client, server, ids, futures, pinned, dead, lost)
+                look = time.monotonic() + tick
             if snapshot_interval and time.monotonic() >= due:
                 history.append((time.time(),) + server.pull())
                 due += snapshot_interval

@@ -7,7 +7,6 @@ in this process; :mod:`lasagne_accum.distributed.dask` across processes).
 :class:`ParameterServer` holds its shards in this process, for threads.
 """
 
-import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 
@@ -341,7 +340,6 @@ class ParameterServer(BaseServer):
         self._setup(named, shards, options)
         self.shards = [Shard(s, OrderedDict((n, named[n]) for n in group), update_rule,
                              rule_kwargs, options) for s, group in self.plan.items()]
-        self._rejected_lock = threading.Lock()
 
     def _call(self, indices, method, args_list):
         return [getattr(self.shards[i], method)(*args) for i, args in zip(indices, args_list)]
