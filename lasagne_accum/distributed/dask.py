@@ -42,7 +42,6 @@ from .worker import Worker, raise_worker_errors, worker_lists
 __all__ = ["DaskParameterServer", "ShardActor", "local_cluster", "connect", "run_dask"]
 
 _GRACE = 5.0         # seconds added to wait_timeout for the message itself
-INLINE_BYTES = 8 << 20   # shards up to this size run on the event loop: no thread hop
 
 
 def _require_distributed():
@@ -60,8 +59,7 @@ class ShardActor:
 
     Each method takes a list of ``(shard name, args)`` and returns a list of
     ``(ok, result or exception)``, so that one message per process serves
-    every shard there. Shard work runs on the worker's event loop (small
-    shards) or on one thread of the actor's own (large ones);
+    every shard there. Shard work runs on one thread of the actor's own;
     :meth:`push_many` and :meth:`wait_round` are coroutines on the worker's
     event loop, so waiting for a sync round never blocks the pushes that
     close it, and they wait on an event that the shard sets when a round
@@ -78,9 +76,6 @@ class ShardActor:
         self._pool = None
         self._loop = None
         self._events = {name: None for name in self._shards}
-        size = sum(np.asarray(v).nbytes for s in self._shards.values()
-                   for v in s.state().values())
-        self.inline = size <= INLINE_BYTES
 
     def pid(self):
         import os
@@ -94,12 +89,13 @@ class ShardActor:
         return self._pool
 
     async def _run(self, fn, *args):
-        """Run shard work: on the event loop for small shards (an apply takes microseconds,
-        and every call of this actor runs here, so the shards' locks are free), else on the
-        actor's thread so that the loop stays responsive."""
+        """Run shard work on the actor's thread, so that the event loop stays responsive.
+
+        (Running small shards on the loop itself, without the thread hop, was
+        measured: no faster on the digits MLP, within the noise of a loaded
+        machine.)
+        """
         self._loop = asyncio.get_running_loop()
-        if self.inline:
-            return fn(*args)
         return await self._loop.run_in_executor(self._executor(), fn, *args)
 
     def _event(self, name):
