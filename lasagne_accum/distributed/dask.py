@@ -42,6 +42,7 @@ from .worker import Worker, raise_worker_errors, worker_lists
 __all__ = ["DaskParameterServer", "ShardActor", "local_cluster", "connect", "run_dask"]
 
 _GRACE = 5.0         # seconds added to wait_timeout for the message itself
+SAME_PROCESS_SHORTCUT = True   # a task calls the shards of its own process without a message
 
 
 def _require_distributed():
@@ -260,8 +261,35 @@ class DaskParameterServer(BaseServer):
             groups.setdefault(self._group_of[i], []).append((pos, self.shard_names[i], args))
         return groups
 
+    def _here(self, g):
+        """Group `g`'s actor object if it lives in this worker process (else None)."""
+        if not SAME_PROCESS_SHORTCUT:
+            return None
+        distributed = _require_distributed()
+        try:
+            worker = distributed.get_worker()
+        except ValueError:            # not inside a Dask worker
+            return None
+        if worker.address != self.hosts[g]:
+            return None
+        return worker.state.actors.get(self._actors[g].key)
+
     def _invoke(self, g, method, *args):
-        """Start ``actor.method(*args)`` on group `g`'s actor; ShardLostError if it is gone."""
+        """Start ``actor.method(*args)`` on group `g`'s actor; ShardLostError if it is gone.
+
+        From a task in the actor's own process the coroutine is scheduled on
+        that process's event loop directly: no message to itself, no
+        serialization (the arrays were copied when the push was checked).
+        """
+        actor = self._here(g)
+        if actor is not None:
+            fn = getattr(actor, method)
+            if asyncio.iscoroutinefunction(fn):
+                loop = _require_distributed().get_worker().loop.asyncio_loop
+                return asyncio.run_coroutine_threadsafe(fn(*args), loop)
+            done = concurrent.futures.Future()
+            done.set_result(fn(*args))
+            return done
         try:
             return getattr(self._actors[g], method)(*args)
         except (OSError, EOFError, RuntimeError, ValueError) as exc:
@@ -279,7 +307,7 @@ class DaskParameterServer(BaseServer):
             return future.result(timeout=timeout)
         except (PushRejected, RoundFailedError, ServerTimeoutError):
             raise
-        except (TimeoutError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError) as exc:
             raise ShardLostError(
                 f"{what}: shard(s) {', '.join(map(repr, names))} on {self.hosts[g]} did not "
                 f"answer within {timeout:g} s ({type(exc).__name__}); if that process died, "
