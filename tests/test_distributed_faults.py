@@ -140,7 +140,7 @@ def test_trainer_process_dies_train_returns_and_reports_it(cluster, mode):
         if mode == "sync":        # every round after the death is the survivor's alone
             assert stats["version"][0] >= n and stats["applied"] >= n + 5
         else:
-            assert stats["applied"] == stats["version"][0] > n    # exactly the pushes made
+            assert stats["applied"] == stats["version"][0] >= n   # each push made, once
         assert stats["live_workers"] == []
         assert end - start < 55
     finally:
