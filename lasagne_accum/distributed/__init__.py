@@ -39,6 +39,7 @@ from .checks import (
     StalePushError,
     UnknownWorkerError,
 )
+from ..state import save_arrays
 from .local import run_local
 from .server import ParameterServer
 from .shard import Shard
@@ -258,8 +259,14 @@ def train(build_model, worker_batches, update_rule, rule_kwargs=None, *, n_worke
             server.load(resume_from)
         saver = _Saver(server, checkpoint_to, checkpoint_every)
         lost = []
-        reports, history = run_dask(server, client, build_model, per, lost=lost,
-                                    checkpoint=saver if checkpoint_every else None, **run)
+        try:
+            reports, history = run_dask(server, client, build_model, per, lost=lost,
+                                        checkpoint=saver if checkpoint_every else None, **run)
+        except Exception as exc:
+            cause = exc if isinstance(exc, ShardLostError) else exc.__cause__
+            if isinstance(cause, ShardLostError):
+                raise saver.explain(cause) from exc
+            raise
         return _finish(server, reports, history, "dask", checkpoint_to, keep=None, lost=lost,
                        saves=saver.count)
 
@@ -270,13 +277,30 @@ class _Saver:
     def __init__(self, server, path, every):
         self.server, self.path, self.every = server, path, every
         self.count = 0
-        self.due = time.monotonic() + (every or 0)
+        self.due = time.monotonic()          # the first call saves: a resume point at once
+
+    versions = None
+    saved_at = None
 
     def __call__(self):
         if time.monotonic() >= self.due:
-            self.server.save(self.path)
+            arrays = self.server.state()
+            save_arrays(self.path, arrays)
+            self.versions = tuple(int(arrays[f"{s}/counters"][0])
+                                  for s in self.server.shard_names)
+            self.saved_at = time.monotonic()
             self.count += 1
             self.due = time.monotonic() + self.every
+
+    def explain(self, exc):
+        """`exc` (a ShardLostError) with what the last checkpoint holds."""
+        if self.versions is None:
+            return exc
+        return ShardLostError(
+            f"{exc} The last checkpoint, {self.path}, holds shard versions {self.versions} "
+            f"(saved {time.monotonic() - self.saved_at:.1f} s before this error): the steps "
+            f"after those are lost; train(..., resume_from={str(self.path)!r}) goes on from "
+            "there.")
 
 
 def _finish(server, reports, history, backend, checkpoint_to, keep, lost=(), saves=0):

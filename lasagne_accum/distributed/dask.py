@@ -482,9 +482,9 @@ def run_dask(server, client, build_model, worker_batches, *, accumulate=1, model
 
     A trainer whose process dies is reported in `lost` (a list this
     function appends ``{"worker", "address", "reason"}`` to) and unregistered,
-    so sync rounds go on without it; the others finish. `checkpoint`, a
-    callable, is called every `tick` seconds while training runs (the caller
-    decides when to save).
+    so sync rounds go on without it; the others finish (the processes are
+    checked every `tick` seconds). `checkpoint`, a callable, is called about
+    every 0.1 s while training runs (the caller decides when to save).
     """
     distributed = _require_distributed()
     worker_batches, ids = worker_lists(worker_batches, worker_ids)
@@ -513,6 +513,8 @@ def run_dask(server, client, build_model, worker_batches, *, accumulate=1, model
             if not pending:
                 break
             wait = max(0.01, look - time.monotonic())
+            if checkpoint is not None:
+                wait = min(wait, 0.1)
             if snapshot_interval:
                 wait = min(wait, max(0.01, due - time.monotonic()))
             try:
