@@ -1,7 +1,12 @@
 #!/usr/bin/env python
 """Parameter-server throughput and time to a target loss on the digits MLP.
 
-Two tables (Markdown):
+Three tables (Markdown), with the load average before and after:
+
+0. where a Dask push's time goes (async, 1 worker, the digits MLP): the median
+   push round trip, a no-op call to the shards of the task's own process (no
+   message) and to those of the other process (one actor message), pickling
+   the push's arrays there and back, and the compiled apply step itself.
 
 1. sync vs async, 1 vs 2 workers, local (threads) vs dask (a loopback
    LocalCluster of 2 processes): pushes per second during training (compiling
@@ -83,6 +88,63 @@ def time_to_target(result, score, target):
     return float("nan")
 
 
+def _probe(server, grads, n):
+    """Inside a Dask task: medians (s) of a no-op call to the shards of this process and to
+    those of the other one, of pickling a push there and back, and of a push."""
+    import pickle
+
+    wid = "probe"
+    version, _ = server.register(wid)
+    here = [i for i, g in enumerate(server._group_of) if server._here(g) is not None]
+    there = [i for i, g in enumerate(server._group_of) if server._here(g) is None]
+    local, remote, ser, push = [], [], [], []
+    for i in range(n):
+        for idx, out in ((here, local), (there, remote)):
+            if idx:
+                t = time.perf_counter()
+                server._call(idx[:1], "next_seq", [(wid,)])
+                out.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        pickle.loads(pickle.dumps(grads, protocol=5))
+        ser.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        version = server.push(wid, i, grads, version=version, pull=True)["version"]
+        push.append(time.perf_counter() - t)
+    server.unregister(wid)
+    med = lambda v: float(np.median(v)) if v else float("nan")  # noqa: E731
+    return med(local), med(remote), med(ser), med(push)
+
+
+def apply_time(n=200):
+    """Median seconds of one shard's compiled Adam step on the digits MLP, in this process."""
+    from lasagne_accum.distributed.server import ParameterServer
+
+    params = {p.name: p.get_value() for p in mlp()[1]}
+    server = ParameterServer(params, adam, dict(learning_rate=1e-3), mode="async")
+    zero = {n_: np.zeros_like(v) for n_, v in params.items()}
+    times = {s.name: [] for s in server.shards}
+    for shard in server.shards:
+        arrays = [zero[n_] for n_ in shard.params]
+        for _ in range(n):
+            t = time.perf_counter()
+            shard.fn(arrays, 1e-3)
+            times[shard.name].append(time.perf_counter() - t)
+    return sum(float(np.median(v)) for v in times.values()), zero, params
+
+
+def breakdown(client, n=200):
+    """Row 0's numbers: (push, no-op call here, no-op call there, pickling, apply), median s."""
+    from lasagne_accum.distributed.dask import DaskParameterServer
+
+    apply_s, zero, params = apply_time(n)
+    server = DaskParameterServer(client, params, adam, dict(learning_rate=1e-3), mode="async")
+    try:
+        local, remote, ser, push = client.submit(_probe, server, zero, n, pure=False).result()
+    finally:
+        server.close()
+    return push, local, remote, ser, apply_s
+
+
 def run(args, X, y, score, backend, mode, workers, client=None, accumulate=1, epochs=None,
         snapshot=None):
     data = worker_batches(X, y, workers, args.batch_size, epochs or args.epochs, seed=0)
@@ -107,17 +169,21 @@ def main(argv=None):
                             snapshot=snapshot) for _ in range(repeat)]
                 runs.sort(key=lambda r: r.pushes_per_second)
                 r = runs[len(runs) // 2]                      # the median run
+                med = float(np.median([t for w in r.workers for t in w["push_s"]]))
                 rows.append((backend, mode, workers, r.pushes_per_second, r.version[0],
                              time_to_target(r, score, args.target), r.elapsed,
-                             score(r.params)))
+                             score(r.params), med))
                 print(f"  {backend} {mode} {workers}: {r.pushes_per_second:.0f} pushes/s",
                       file=sys.stderr, flush=True)
 
+    load_before = os.getloadavg()
+    parts = None
     measure("local")
     if not args.no_dask:
         from lasagne_accum.distributed.dask import local_cluster
 
         with local_cluster(2) as client:
+            parts = breakdown(client)
             measure("dask", client)
 
     comm = []
@@ -126,15 +192,29 @@ def main(argv=None):
                 epochs=max(1, args.epochs // 2))
         comm.append((n, r.bytes_per_example, r.pushes, r.examples, score(r.params)))
 
+    load_after = os.getloadavg()
+    print(f"\nLoad average (1, 5, 15 min) before: {', '.join(f'{v:.2f}' for v in load_before)}; "
+          f"after: {', '.join(f'{v:.2f}' for v in load_after)} ({os.cpu_count()} CPUs)")
+    if parts is not None:
+        push, local, remote, ser, apply_s = parts
+        print("\nWhere a Dask push goes (async, 1 worker, from a task in a process holding "
+              "half the shards; medians of 200):\n")
+        print("| push round trip (pull=True) | no-op call, shards of this process | no-op "
+              "call, shards of the other process | pickle the push there and back | apply "
+              "step (all shards, compiled) | push - apply |")
+        print("|---|---|---|---|---|---|")
+        print(f"| {push * 1e3:.2f} ms | {local * 1e3:.2f} ms | {remote * 1e3:.2f} ms | "
+              f"{ser * 1e3:.3f} ms | {apply_s * 1e3:.3f} ms | {(push - apply_s) * 1e3:.2f} ms |")
     print(f"\nDigits MLP 64-64-10 (float32), batch {args.batch_size}, Adam lr {args.lr}, "
           f"{args.epochs} epochs split over the workers; target training loss {args.target}.\n")
-    print("| backend | mode | workers | pushes/s | optimizer steps | s to target loss | "
-          "training s | final train loss |")
-    print("|---|---|---|---|---|---|---|---|")
-    for backend, mode, workers, pps, steps, ttt, elapsed, final in rows:
+    print("| backend | mode | workers | pushes/s | vs 1 worker | median push ms | optimizer "
+          "steps | s to target loss | training s | final train loss |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    one = {(b, m): pps for b, m, w, pps, *_ in rows if w == 1}
+    for backend, mode, workers, pps, steps, ttt, elapsed, final, med in rows:
         ttt = f"{ttt:.2f}" if np.isfinite(ttt) else "not reached"
-        print(f"| {backend} | {mode} | {workers} | {pps:.0f} | {steps} | {ttt} | "
-              f"{elapsed:.2f} | {final:.3f} |")
+        print(f"| {backend} | {mode} | {workers} | {pps:.0f} | {pps / one[backend, mode]:.2f}x | "
+              f"{med * 1e3:.2f} | {steps} | {ttt} | {elapsed:.2f} | {final:.3f} |")
     print(f"\nLocal accumulation (1 worker, async, {max(1, args.epochs // 2)} epochs):\n")
     print("| N batches per push | bytes pushed per example | pushes | examples | "
           "final train loss |")

@@ -5,20 +5,34 @@ dictionaries (or objects holding them) touch into one ``.npz`` file keyed by
 the variables' names; :func:`load_state` puts them back. No pickle is
 involved in either direction, and a save replaces the previous file
 atomically, so a crash mid-save leaves the old checkpoint whole.
+
+The file is a zip archive of ``.npy`` members (what :func:`numpy.load`
+reads), one per variable, plus a small JSON manifest that maps each name to
+its member, so any name round-trips. :func:`load_state` checks every name,
+dtype and shape from the members' ``.npy`` headers before it reads any
+data, so a file that does not fit the model costs no memory.
 """
 
+import json
 import os
+import re
 import tempfile
+import warnings
 import zipfile
+from collections import OrderedDict
 from collections.abc import Mapping
 
 import numpy as np
+from numpy.lib import format as npy_format
 from pytensor.compile.sharedvalue import SharedVariable
 
-__all__ = ["save_state", "load_state", "collect_state"]
+__all__ = ["save_state", "load_state", "collect_state", "save_arrays", "read_arrays"]
 
-_FORMAT_KEY = "__lasagne_accum_state__"
-_FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# The format marker. Format 1: a scalar array holding 1 (members ``name.npy``).
+# Format 2: a uint8 array of UTF-8 JSON ``{"format": 2, "names": [[name, member], ...]}``.
+_MARKER = "__lasagne_accum_state__.npy"
+_TMP_PATTERN = ".tmp-{base}-{pid}-"          # + mkstemp's random letters + ".npz"
 
 
 def _walk(obj, out, seen):
@@ -43,6 +57,29 @@ def _walk(obj, out, seen):
         )
 
 
+def _collect(objects):
+    """``(named, made_up)``: :func:`collect_state`'s dict, and the names it had to invent."""
+    variables = []
+    seen = set()
+    for obj in objects:
+        _walk(obj, variables, seen)
+    counts = {}
+    for var in variables:
+        if var.name:
+            counts[var.name] = counts.get(var.name, 0) + 1
+    named, made_up = OrderedDict(), []
+    for i, var in enumerate(variables):
+        base = var.name or f"var{i}"
+        name, k = base, 1
+        while name in named:
+            k += 1
+            name = f"{base}#{k}"
+        named[name] = var
+        if not var.name or counts[var.name] > 1:
+            made_up.append(name)
+    return named, made_up
+
+
 def collect_state(*objects):
     """Name every shared variable the objects update.
 
@@ -59,7 +96,9 @@ def collect_state(*objects):
     dict
         ``{name: shared variable}`` in the order found. A variable without a
         name is called ``var{i}``; a repeated name gets ``#2``, ``#3``... in
-        order of appearance, so the same code builds the same keys.
+        order of appearance. Such made-up keys depend on the order the
+        variables were found in: :func:`save_state` warns about them and
+        :func:`load_state` refuses them.
 
     Examples
     --------
@@ -69,25 +108,130 @@ def collect_state(*objects):
     >>> list(collect_state(adam((w ** 2).sum(), [w])))
     ['w.adam_m', 'w.adam_v', 'w', 'adam.t']
     """
-    variables = []
-    seen = set()
-    for obj in objects:
-        _walk(obj, variables, seen)
-    named = {}
-    for i, var in enumerate(variables):
-        base = var.name or f"var{i}"
-        name, k = base, 1
-        while name in named:
-            k += 1
-            name = f"{base}#{k}"
-        named[name] = var
-    return named
+    return _collect(objects)[0]
 
 
 def _host(value):
     if hasattr(value, "detach"):
         value = value.detach().cpu().numpy()
     return np.asarray(value)
+
+
+# ------------------------------------------------------------------ writing
+
+
+def _tmp_prefix(path):
+    return _TMP_PATTERN.format(base=os.path.basename(path), pid=os.getpid())
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True            # it exists (owned by someone else) or we cannot tell
+    return True
+
+
+def _clean_stale_temps(path):
+    """Remove temporary files of `path` left by saving processes that no longer run.
+
+    Only names of this module's pattern (``.tmp-<target>-<pid>-<random>.npz``)
+    whose process id is not alive are removed: another process saving the
+    same target right now keeps its file. Returns the names removed.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    pattern = re.compile(re.escape(".tmp-" + os.path.basename(path) + "-") +
+                         r"(\d+)-[A-Za-z0-9_]+\.npz\Z")
+    removed = []
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return removed
+    for entry in entries:
+        match = pattern.match(entry)
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        try:
+            os.unlink(os.path.join(directory, entry))
+            removed.append(entry)
+        except OSError:
+            pass
+    return removed
+
+
+def _members(names):
+    """``{name: zip member}``: ``name.npy`` where the zip format keeps it, else ``__escaped{i}.npy``."""
+    out, used = OrderedDict(), {_MARKER}
+    for i, name in enumerate(names):
+        member = f"{name}.npy"
+        if zipfile.ZipInfo(member).filename != member or member in used:
+            k = i
+            while f"__escaped{k}.npy" in used or f"__escaped{k}" in names:
+                k += len(names) + 1
+            member = f"__escaped{k}.npy"
+        used.add(member)
+        out[name] = member
+    return out
+
+
+def _write_zip(fh, arrays):
+    members = _members(list(arrays))
+    manifest = dict(format=FORMAT_VERSION, names=[[n, m] for n, m in members.items()])
+    with zipfile.ZipFile(fh, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+        text = np.frombuffer(json.dumps(manifest).encode("utf-8"), np.uint8)
+        with zf.open(_MARKER, "w", force_zip64=True) as out:
+            npy_format.write_array(out, text, allow_pickle=False)
+        for name, value in arrays.items():
+            with zf.open(members[name], "w", force_zip64=True) as out:
+                npy_format.write_array(out, np.asanyarray(value), allow_pickle=False)
+
+
+def save_arrays(path, arrays):
+    """Write ``{name: array}`` to a checkpoint file, atomically (see :func:`save_state`).
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    arrays : dict
+        ``{name: numpy array}``; any string is a valid name. Object arrays
+        are refused (the file never holds pickles).
+
+    Returns
+    -------
+    list of str
+        The names written.
+
+    Raises
+    ------
+    TypeError
+        A name is not a string, or an array has dtype object.
+    """
+    arrays = OrderedDict(arrays)
+    for name, value in arrays.items():
+        if not isinstance(name, str):
+            raise TypeError(f"checkpoint names must be strings, got {name!r}")
+        if np.asarray(value).dtype.hasobject:
+            raise TypeError(f"{name}: dtype object cannot be saved without pickle")
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    _clean_stale_temps(path)
+    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=".npz", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            _write_zip(fh, arrays)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return list(arrays)
 
 
 def save_state(path, *objects):
@@ -105,11 +249,20 @@ def save_state(path, *objects):
     list of str
         The names written.
 
+    Warns
+    -----
+    UserWarning
+        Some variables have no name or share one: their keys (``var3``,
+        ``W#2``) depend on the order they were found in, and
+        :func:`load_state` will refuse them. Name them uniquely.
+
     Notes
     -----
-    The data go to a temporary file in the same directory, which is flushed
-    to disk and then renamed over `path`: readers see the old checkpoint or
-    the new one, never a partial file.
+    The data go to a temporary file ``.tmp-<name>-<pid>-<random>.npz`` in the
+    same directory, which is flushed to disk and then renamed over `path`:
+    readers see the old checkpoint or the new one, never a partial file. A
+    process killed mid-save leaves its temporary file behind; the next save
+    to the same `path` removes those whose process is gone.
 
     Examples
     --------
@@ -123,25 +276,188 @@ def save_state(path, *objects):
     ['w']
     array([0., 1., 2.])
     """
-    named = collect_state(*objects)
+    named, made_up = _collect(objects)
     if not named:
         raise ValueError("save_state(): nothing to save")
-    arrays = {name: _host(var.get_value(borrow=True)) for name, var in named.items()}
-    arrays[_FORMAT_KEY] = np.array(_FORMAT_VERSION)
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=directory)
+    if made_up:
+        warnings.warn(
+            f"save_state(): {len(made_up)} variable(s) have no unique name and are saved "
+            f"under order-dependent keys ({', '.join(made_up)}); load_state() refuses "
+            "them. Give every shared variable a unique name.", UserWarning, stacklevel=2)
+    return save_arrays(path, OrderedDict((n, _host(v.get_value(borrow=True)))
+                                         for n, v in named.items()))
+
+
+# ------------------------------------------------------------------ reading
+
+
+def _not_readable(path, why):
+    return ValueError(f"{path} is not a readable checkpoint (truncated or corrupt?): {why}")
+
+
+def _index(zf, path):
+    """``{name: member}`` of an open checkpoint; refuses foreign files and unknown versions."""
+    files = zf.namelist()
+    if _MARKER not in files:
+        raise ValueError(f"{path} is not a lasagne_accum checkpoint (no format marker)")
+    with zf.open(_MARKER) as fh:
+        try:
+            marker = _read_member(fh, _MARKER, path, (None, None), 1 << 24)
+        except ValueError as exc:
+            raise _not_readable(path, f"bad format marker ({exc})") from None
+    if marker.shape == () and marker.dtype.kind in "iu":
+        if int(marker) != 1:
+            raise ValueError(f"{path} is a lasagne_accum checkpoint of format version "
+                             f"{int(marker)}; this version reads formats 1 and "
+                             f"{FORMAT_VERSION}: upgrade lasagne_accum to read it")
+        return OrderedDict((f[:-4], f) for f in files if f.endswith(".npy") and f != _MARKER)
+    if marker.dtype != np.uint8 or marker.ndim != 1:
+        raise _not_readable(path, "bad format marker")
     try:
-        with os.fdopen(fd, "wb") as fh:
-            np.savez(fh, **arrays)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        manifest = json.loads(marker.tobytes().decode("utf-8"))
+        version = manifest["format"]
+        pairs = manifest.get("names")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise _not_readable(path, f"bad manifest ({exc})") from None
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{path} is a lasagne_accum checkpoint of format version "
+                         f"{version!r}; this version reads formats 1 and {FORMAT_VERSION}: "
+                         "upgrade lasagne_accum to read it")
+    if not isinstance(pairs, list) or not all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
+            for p in pairs):
+        raise _not_readable(path, "bad manifest (names)")
+    index = OrderedDict()
+    for name, member in pairs:
+        if name in index:
+            raise ValueError(f"{path}: the name {name!r} appears twice in the checkpoint; "
+                             "refusing to guess which one to load")
+        if member not in files or member == _MARKER:
+            raise _not_readable(path, f"member {member!r} of {name!r} is missing")
+        index[name] = member
+    return index
+
+
+def _header(fh, member, path):
+    """``(shape, fortran, dtype, data offset)`` of an ``.npy`` member, reading only its header."""
+    try:
+        major, minor = npy_format.read_magic(fh)
+        if (major, minor) == (1, 0):
+            shape, fortran, dtype = npy_format.read_array_header_1_0(fh)
+        elif major in (2, 3) and minor == 0:
+            shape, fortran, dtype = npy_format.read_array_header_2_0(fh)
+        else:
+            raise ValueError(f"unsupported .npy version {major}.{minor}")
+    except (ValueError, EOFError, OSError, zipfile.BadZipFile, SyntaxError) as exc:
+        raise _not_readable(path, f"{member}: {exc}") from None
+    return tuple(shape), fortran, dtype
+
+
+def _read_member(fh, member, path, expected, max_bytes=None):
+    """Read one ``.npy`` member after checking its header against ``expected = (shape, dtype)``.
+
+    `shape` or `dtype` None: any. Raises ValueError on a mismatch before
+    reading data.
+    """
+    shape, fortran, dtype = _header(fh, member, path)
+    if dtype.hasobject:
+        raise ValueError(f"{path}: {member} holds Python objects (pickle); refused")
+    want_shape, want_dtype = expected
+    if want_dtype is not None and dtype != np.dtype(want_dtype):
+        raise ValueError(f"dtype {dtype} in the checkpoint")
+    if want_shape is not None and shape != tuple(want_shape):
+        raise ValueError(f"shape {shape} in the checkpoint")
+    count = int(np.prod(shape, dtype=object)) if shape else 1
+    nbytes = count * dtype.itemsize
+    if max_bytes is not None and nbytes > max_bytes:
+        raise ValueError(f"{nbytes} bytes in the checkpoint, more than the {max_bytes} allowed")
+    data = fh.read(nbytes)
+    if len(data) != nbytes:
+        raise _not_readable(path, f"{member}: {len(data)} of {nbytes} bytes")
+    array = np.frombuffer(data, dtype=dtype, count=count).copy()
+    return array.reshape(shape[::-1]).T if fortran else array.reshape(shape)
+
+
+def read_arrays(path, expected, *, strict=True, optional=(), max_bytes=1 << 26):
+    """Read named arrays from a checkpoint, checking every header before any data.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    expected : dict
+        ``{name: (shape, dtype)}``; `shape` None accepts any shape (up to
+        `max_bytes`), `dtype` None any dtype.
+    strict : bool
+        True: the file must hold exactly these names (but those in
+        `optional` may be missing). False: names missing on either side are
+        skipped.
+    optional : collection of str
+        Names that may be missing even when `strict`.
+    max_bytes : int
+        The largest entry of free shape that is read.
+
+    Returns
+    -------
+    dict
+        ``{name: array}`` for the names found.
+
+    Raises
+    ------
+    ValueError
+        The file is not a readable checkpoint, its format version is
+        unknown, or names, dtypes or shapes do not match (every problem is
+        listed; nothing is read then).
+    """
+    path = os.fspath(path)
+    try:
+        zf = zipfile.ZipFile(path)
+    except FileNotFoundError:
         raise
-    return list(named)
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+        raise _not_readable(path, exc) from None
+    with zf:
+        index = _index(zf, path)
+        problems = []
+        if strict:
+            missing = [n for n in expected if n not in index and n not in optional]
+            extra = [n for n in index if n not in expected]
+            if missing:
+                problems.append(f"missing in the checkpoint: {', '.join(missing)}")
+            if extra:
+                problems.append(f"in the checkpoint but not in the model: {', '.join(extra)}")
+        todo = [n for n in expected if n in index]
+        for name in todo:        # headers only: no data is read until all of them fit
+            shape, dtype = expected[name]
+            with zf.open(index[name]) as fh:
+                got_shape, _, got_dtype = _header(fh, index[name], path)
+            info = zf.getinfo(index[name])
+            if got_dtype.hasobject:
+                problems.append(f"{name}: holds Python objects (pickle), refused")
+            elif dtype is not None and got_dtype != np.dtype(dtype):
+                problems.append(f"{name}: dtype {got_dtype} in the checkpoint, "
+                                f"{np.dtype(dtype)} in the model")
+            elif shape is not None and got_shape != tuple(shape):
+                problems.append(f"{name}: shape {got_shape} in the checkpoint, "
+                                f"{tuple(shape)} in the model")
+            else:
+                nbytes = int(np.prod(got_shape, dtype=object)) * got_dtype.itemsize
+                if shape is None and nbytes > max_bytes:
+                    problems.append(f"{name}: {nbytes} bytes in the checkpoint, more than "
+                                    f"the {max_bytes} allowed")
+                elif nbytes > info.file_size:
+                    problems.append(f"{name}: the header claims {nbytes} bytes but the "
+                                    f"member holds {info.file_size} (truncated or corrupt)")
+        if problems:
+            raise ValueError(f"cannot load {path}; nothing was loaded:\n  " +
+                             "\n  ".join(problems))
+        out = OrderedDict()
+        for name in todo:
+            try:
+                with zf.open(index[name]) as fh:
+                    out[name] = _read_member(fh, index[name], path, expected[name])
+            except (zipfile.BadZipFile, OSError, EOFError) as exc:
+                raise _not_readable(path, f"{name}: {exc}") from None
+        return out
 
 
 def load_state(path, *objects, strict=True):
@@ -166,46 +482,30 @@ def load_state(path, *objects, strict=True):
     Raises
     ------
     ValueError
-        If the file is truncated or not a checkpoint, or names, shapes or
-        dtypes do not match; the message lists every mismatch and nothing is
-        loaded.
+        If the file is truncated, not a checkpoint or of an unknown format
+        version; if names, shapes or dtypes do not match (the message lists
+        every mismatch and nothing is loaded); if some variables have no
+        unique name (their made-up keys ``var3``/``W#2`` would be guessed).
 
     Notes
     -----
-    The file is read with ``allow_pickle=False``. All checks run before the
-    first value is set, so a failed load leaves the model as it was.
+    The file is read without pickle. Names, dtypes and shapes are checked
+    from the ``.npy`` headers before any data is read, so a file that does
+    not fit the model costs no memory, whatever sizes its headers claim.
+    All checks run before the first value is set, so a failed load leaves
+    the model as it was.
     """
-    named = collect_state(*objects)
-    try:
-        with np.load(os.fspath(path), allow_pickle=False) as data:
-            arrays = {name: data[name] for name in data.files}
-    except FileNotFoundError:
-        raise
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError) as exc:
-        raise ValueError(f"{path} is not a readable checkpoint (truncated or corrupt?): {exc}") \
-            from None
-    if _FORMAT_KEY not in arrays:
-        raise ValueError(f"{path} is not a lasagne_accum checkpoint")
-    arrays.pop(_FORMAT_KEY)
-
-    problems = []
-    if strict:
-        missing = [n for n in named if n not in arrays]
-        extra = [n for n in arrays if n not in named]
-        if missing:
-            problems.append(f"missing in the checkpoint: {', '.join(missing)}")
-        if extra:
-            problems.append(f"in the checkpoint but not in the model: {', '.join(extra)}")
-    todo = [(n, var) for n, var in named.items() if n in arrays]
-    for name, var in todo:
-        value = arrays[name]
+    named, made_up = _collect(objects)
+    if made_up:
+        raise ValueError(
+            f"cannot load {path}: variable(s) {', '.join(made_up)} have no unique name, so "
+            "which saved array belongs to which is a guess; give every shared variable a "
+            "unique name (pytensor.shared(value, name=...)) and save again")
+    expected = OrderedDict()
+    for name, var in named.items():
         current = _host(var.get_value(borrow=True))
-        if value.dtype != current.dtype:
-            problems.append(f"{name}: dtype {value.dtype} in the checkpoint, {current.dtype} in the model")
-        elif value.shape != current.shape:
-            problems.append(f"{name}: shape {value.shape} in the checkpoint, {current.shape} in the model")
-    if problems:
-        raise ValueError(f"cannot load {path}; nothing was loaded:\n  " + "\n  ".join(problems))
-    for name, var in todo:
-        var.set_value(arrays[name])
-    return [n for n, _ in todo]
+        expected[name] = (current.shape, current.dtype)
+    arrays = read_arrays(path, expected, strict=strict)
+    for name, value in arrays.items():
+        named[name].set_value(value)
+    return list(arrays)

@@ -27,6 +27,7 @@ from lasagne_accum import adam, momentum, sgd
 from lasagne_accum.distributed import (
     ParameterServer,
     PushRejected,
+    RoundFailedError,
     RoundTimeoutError,
     StalePushError,
     UnknownWorkerError,
@@ -496,6 +497,195 @@ def test_worker_model_must_match_server():
         Worker(server, "w", build_model)
 
 
+# ------------------------------------------------------------------ issue 11 items 14-17
+
+
+def _two_shards(mode, **kw):
+    return ParameterServer({"w": np.zeros(2), "b": np.zeros(1)}, sgd, dict(learning_rate=1.0),
+                           mode=mode, **kw)
+
+
+def test_rejected_push_is_atomic_async():
+    """Shard 'w' would take version 0, shard 'b' refuses 99: nothing is applied anywhere."""
+    server = _two_shards("async")
+    server.register("a")
+    before = state_of(server)
+    with pytest.raises(PushRejected, match="version 99 does not exist"):
+        server.push("a", 0, {"w": np.ones(2), "b": np.ones(1)}, version=(0, 99))
+    assert_same_state(state_of(server), before)
+    stats = server.stats()
+    assert stats["received"] == 0 and stats["version"] == (0, 0)
+    # the same (worker, seq) was not recorded: it goes through now
+    assert server.push("a", 0, {"w": np.ones(2), "b": np.ones(1)}, version=(0, 0))["applied"]
+    assert server.pull()[1]["w"].tolist() == [-1.0, -1.0]
+
+
+def test_rejected_push_is_atomic_sync_and_the_round_does_not_hang():
+    server = _two_shards("sync", wait_timeout=5.0)
+    for w in "ab":
+        server.register(w)
+    with pytest.raises(PushRejected, match="version 3 does not exist"):
+        server.push("a", 0, {"w": np.ones(2), "b": np.ones(1)}, version=(0, 3), wait=False)
+    assert all(s["pending"] == 0 for s in server.stats()["shards"].values())
+    out, elapsed = _push_in_threads_2(server, [("a", 0), ("b", 0)])
+    assert elapsed < 5 and out["a"]["applied"] and out["b"]["applied"]
+    assert server.stats()["version"] == (1, 1)
+
+
+def _push_in_threads_2(server, pushes):
+    out, threads = {}, []
+    for wid, seq in pushes:
+        def run(wid=wid, seq=seq):
+            try:
+                out[wid] = server.push(wid, seq, {"w": np.ones(2), "b": np.ones(1)},
+                                       version=(seq, seq))
+            except Exception as exc:
+                out[wid] = exc
+        threads.append(threading.Thread(target=run))
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    return out, time.monotonic() - start
+
+
+def test_failing_apply_fails_the_sync_round_and_the_server_keeps_serving():
+    """A schedule that returns NaN at step 1: round 1 fails for its pushers, state as before."""
+    broken = {"on": True}
+    schedule = lambda step: float("nan") if step == 1 and broken["on"] else 0.5  # noqa: E731
+    server = ParameterServer({"w": np.zeros(2), "b": np.zeros(1)}, sgd,
+                             dict(learning_rate=schedule), mode="sync", wait_timeout=10.0)
+    for w in "ab":
+        server.register(w)
+    _push_in_threads_2(server, [("a", 0), ("b", 0)])
+    before = state_of(server)
+    out, elapsed = _push_in_threads_2(server, [("a", 1), ("b", 1)])
+    assert elapsed < 10
+    for w in "ab":
+        assert isinstance(out[w], RoundFailedError), out[w]
+        assert "could not be applied" in str(out[w]) and "nan" in str(out[w])
+    assert_same_state(state_of(server), before)
+    stats = server.stats()
+    assert stats["failed_rounds"] == 1 and stats["version"] == (1, 1)
+    assert all(s["pending"] == 0 for s in stats["shards"].values())
+    assert server.pull()[0] == (1, 1) and server.register("c")[0] == (1, 1)
+    server.unregister("c")
+    broken["on"] = False
+    out, _ = _push_in_threads_2(server, [("a", 1), ("b", 1)])      # the same ids, applied now
+    assert out["a"]["applied"] and out["b"]["applied"]
+    np.testing.assert_array_equal(server.pull()[1]["w"], [-1.0, -1.0])
+
+
+def test_failing_apply_async_applies_nothing_on_any_shard():
+    broken = {"on": True}
+    schedule = lambda step: float("inf") if broken["on"] else 1.0  # noqa: E731
+    server = ParameterServer({"w": np.zeros(2), "b": np.zeros(1)}, sgd,
+                             dict(learning_rate=schedule), mode="async")
+    server.register("a")
+    before = state_of(server)
+    with pytest.raises(RoundFailedError, match="inf"):
+        server.push("a", 0, {"w": np.ones(2), "b": np.ones(1)}, version=(0, 0))
+    assert_same_state(state_of(server), before)
+    broken["on"] = False
+    assert server.push("a", 0, {"w": np.ones(2), "b": np.ones(1)}, version=(0, 0))["applied"]
+
+
+def test_rejected_counts_every_rejected_push_once():
+    server = _two_shards("async")
+    server.register("a")
+    good = {"w": np.ones(2), "b": np.ones(1)}
+    bad_calls = [
+        dict(worker_id="a", seq=0, grads={"w": np.ones(3), "b": np.ones(1)}, version=(0, 0)),
+        dict(worker_id="a", seq=0, grads=good, version=(0,)),
+        dict(worker_id="a", seq=-1, grads=good, version=(0, 0)),
+        dict(worker_id="nobody", seq=0, grads=good, version=(0, 0)),
+        dict(worker_id="a", seq=0, grads=good, version=(0, 7)),
+    ]
+    for call in bad_calls:
+        with pytest.raises(PushRejected):
+            server.push(**call)
+    assert server.stats()["rejected"] == len(bad_calls)
+
+
+def test_two_simultaneous_identical_pushes_exactly_one_applied():
+    server = _two_shards("async")
+    server.register("a")
+    for seq in range(30):
+        barrier = threading.Barrier(2)
+        out = []
+
+        def run(seq=seq):
+            barrier.wait()
+            out.append(server.push("a", seq, {"w": np.ones(2), "b": np.ones(1)},
+                                   version=(0, 0)))
+
+        threads = [threading.Thread(target=run) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted((r["applied"], r["duplicate"]) for r in out) == [(False, True),
+                                                                       (True, False)]
+    assert server.stats()["version"] == (30, 30)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_retry_after_load_is_not_applied_twice(tmp_path, mode):
+    """Issue 11 item 17: the highest applied seq per worker travels with the checkpoint."""
+    server = _two_shards(mode)
+    server.register("a")
+    g = {"w": np.array([1.0, 2.0]), "b": np.array([3.0])}
+    server.push("a", 0, g, version=(0, 0))
+    path = tmp_path / "ps.npz"
+    server.save(path)
+    restarted = _two_shards(mode)
+    restarted.register("a")
+    restarted.load(path)
+    assert restarted.next_seq("a") == 1
+    retry = restarted.push("a", 0, g, version=(1, 1))
+    assert retry["duplicate"] and not retry["applied"]
+    assert restarted.pull()[1]["w"].tolist() == [-1.0, -2.0]
+    assert restarted.push("a", 1, g, version=(1, 1))["applied"]
+    assert restarted.pull()[1]["w"].tolist() == [-2.0, -4.0]
+
+
+def test_blocking_calls_time_out_with_a_clear_error():
+    """Issue 15 item 3: a sync push waiting for a worker that never pushes, without round_timeout."""
+    from lasagne_accum.distributed import ServerTimeoutError
+
+    server = ParameterServer({"w": np.zeros(2)}, sgd, dict(learning_rate=1.0), mode="sync",
+                             wait_timeout=0.5)
+    for w in ("a", "silent"):
+        server.register(w)
+    start = time.monotonic()
+    with pytest.raises(ServerTimeoutError, match=r"waited 0.5 s for sync round 0.*'silent'"):
+        server.push("a", 0, {"w": np.ones(2)}, version=(0,))
+    assert 0.45 < time.monotonic() - start < 5
+    with pytest.raises(ValueError, match="wait_timeout must be a number of seconds > 0"):
+        ParameterServer({"w": np.zeros(2)}, sgd, dict(learning_rate=1.0), wait_timeout=0)
+
+
+def _slow(batches, delay):
+    for b in batches:
+        time.sleep(delay)
+        yield b
+
+
+def test_checkpoint_every_saves_while_training_local(tmp_path):
+    path = tmp_path / "ps.npz"
+    data = [_slow(batches_for(80, [4] * 12), 0.05)]
+    result = train(build_model, data, sgd, dict(learning_rate=0.1), mode="async",
+                   compile_mode="CVM", checkpoint_to=path, checkpoint_every=0.1)
+    assert result.checkpoints >= 2                     # ~0.6 s of training, a save per 0.1 s
+    fresh = ParameterServer({p.name: p.get_value() for p in build_model()[2]}, sgd,
+                            dict(learning_rate=0.1), mode="async")
+    fresh.load(path)                                   # the final save: the end state
+    assert fresh.pull()[0] == result.version == (12,) * 4
+    with pytest.raises(ValueError, match="checkpoint_every= needs checkpoint_to="):
+        train(build_model, data, sgd, dict(learning_rate=0.1), checkpoint_every=1.0)
+
+
 # ------------------------------------------------------------------ accumulation traffic
 
 
@@ -609,3 +799,38 @@ def test_dask_async_training_with_staleness(dask_client):
     assert r.stats["applied"] == 12 and r.version == (12,) * 4
     assert sum(r.stats["staleness"].values()) == 12 * 4
     assert all(np.all(np.isfinite(v)) for v in r.params.values())
+
+
+@needs_dask
+def test_dask_simultaneous_identical_pushes_exactly_one_applied(dask_client):
+    """Shards in two processes: two identical pushes racing; exactly one reports applied."""
+    from lasagne_accum.distributed.dask import DaskParameterServer
+
+    server = DaskParameterServer(dask_client, {"w": np.zeros(2), "b": np.zeros(1)}, sgd,
+                                 dict(learning_rate=1.0), mode="async", compile_mode="CVM")
+    try:
+        assert len(set(server.placement.values())) == 2
+        server.register("a")
+        g = {"w": np.ones(2), "b": np.ones(1)}
+        for seq in range(15):
+            barrier = threading.Barrier(2)
+            out = []
+
+            def run(seq=seq):
+                barrier.wait()
+                out.append(server.push("a", seq, g, version=(0, 0)))
+
+            threads = [threading.Thread(target=run) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=30)
+            assert sorted((r["applied"], r["duplicate"]) for r in out) == [(False, True),
+                                                                           (True, False)]
+        stats = server.stats()
+        assert stats["version"] == (15, 15) and stats["rejected"] == 0
+        with pytest.raises(PushRejected, match="version 99"):        # atomic across processes
+            server.push("a", 99, g, version=(0, 99))
+        assert server.stats()["version"] == (15, 15) and server.stats()["rejected"] == 1
+    finally:
+        server.close()

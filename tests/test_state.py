@@ -80,8 +80,9 @@ def test_round_trip_restores_values_and_dtypes(tmp_path):
         var.set_value(np.zeros_like(var.get_value()))
     load_state(path, upd)
     _assert_bitwise(_values(named), saved)
-    with np.load(path, allow_pickle=False) as data:  # no pickle inside
+    with np.load(path, allow_pickle=False) as data:  # no pickle inside; numpy reads it
         assert all(data[k].dtype != object for k in data.files)
+        np.testing.assert_array_equal(data["W.adam_m"], saved["W.adam_m"])
 
 
 def test_two_function_form_resumes_mid_window_bit_identical(tmp_path):
@@ -193,11 +194,11 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     save_state(path, [a])
     original = path.read_bytes()
 
-    def crash(fh, **arrays):
-        fh.write(b"PK partial")
+    def crash(fh, array, **kwargs):
+        fh.write(b"\x93NUMPY partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(np, "savez", crash)
+    monkeypatch.setattr(np.lib.format, "write_array", crash)
     a.set_value(np.zeros(4))
     with pytest.raises(OSError, match="disk full"):
         save_state(path, [a])
@@ -208,3 +209,157 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert np.array_equal(a.get_value(), np.arange(4.0))
     with zipfile.ZipFile(path) as z:
         assert sorted(z.namelist()) == ["__lasagne_accum_state__.npy", "a.npy"]
+
+
+# ------------------------------------------------------------------ hostile names and files
+
+
+@pytest.mark.parametrize("name", ["allow_pickle", "file", "args", "kwds", "__lasagne_accum_state__",
+                                  "a/b", "../up", "x.npy", "caf\u00e9 \u2603", "nul\x00in"])
+def test_any_name_round_trips(tmp_path, name):
+    """np.savez(**arrays) dropped 'allow_pickle' silently and raised on 'file'."""
+    a = pytensor.shared(np.arange(3.0), name=name)
+    b = pytensor.shared(np.full(2, 5.0, "float32"), name="other")
+    path = tmp_path / "c.npz"
+    assert save_state(path, [a, b]) == [name, "other"]
+    a.set_value(np.zeros(3))
+    b.set_value(np.zeros(2, "float32"))
+    assert load_state(path, [a, b]) == [name, "other"]
+    assert a.get_value().tolist() == [0.0, 1.0, 2.0]
+    assert b.get_value().tolist() == [5.0, 5.0]
+
+
+def _write_raw(path, members):
+    """A zip of raw members (bytes), for hand-made headers."""
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        for member, data in members.items():
+            zf.writestr(member, data)
+
+
+def _npy_header(shape, dtype="<f8"):
+    import io
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        buf, dict(descr=dtype, fortran_order=False, shape=shape))
+    return buf.getvalue()
+
+
+def _saved_members(path):
+    with zipfile.ZipFile(path) as zf:
+        return {m: zf.read(m) for m in zf.namelist()}
+
+
+def test_huge_header_is_a_value_error_before_reading(tmp_path):
+    """A header claiming 8 TB raised MemoryError; now the shape check refuses it first."""
+    w = pytensor.shared(np.zeros((3, 2)), name="w")
+    path = tmp_path / "c.npz"
+    save_state(path, [w])
+    members = _saved_members(path)
+    members["w.npy"] = _npy_header((1 << 20, 1 << 20)) + b"\0" * 64
+    _write_raw(path, members)
+    with pytest.raises(ValueError, match=r"w: shape \(1048576, 1048576\) in the checkpoint, "
+                                         r"\(3, 2\) in the model"):
+        load_state(path, [w])
+
+
+def test_headers_are_checked_before_any_data_is_read(tmp_path, monkeypatch):
+    """A big entry of the wrong shape is refused without reading its data."""
+    big = pytensor.shared(np.zeros(200_000), name="big")
+    small = pytensor.shared(np.zeros(2), name="small")
+    path = tmp_path / "c.npz"
+    save_state(path, [big, small])
+    reads = []
+    real = zipfile.ZipExtFile.read
+
+    def counting(self, n=-1):
+        data = real(self, n)
+        reads.append(len(data))
+        return data
+
+    monkeypatch.setattr(zipfile.ZipExtFile, "read", counting)
+    big2 = pytensor.shared(np.zeros(100), name="big")
+    with pytest.raises(ValueError, match=r"big: shape \(200000,\) in the checkpoint"):
+        load_state(path, [big2, small])
+    assert sum(reads) < 10_000        # headers (and the small manifest), never the 1.6 MB
+
+
+def test_truncated_member_and_lying_header_are_value_errors(tmp_path):
+    w = pytensor.shared(np.zeros(1000), name="w")
+    path = tmp_path / "c.npz"
+    save_state(path, [w])
+    members = _saved_members(path)
+    members["w.npy"] = _npy_header((1000,)) + b"\0" * 80      # claims 8000 bytes, holds 80
+    _write_raw(path, members)
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        load_state(path, [w])
+    assert np.array_equal(w.get_value(), np.zeros(1000))
+
+
+def test_unknown_format_version_is_refused(tmp_path):
+    w = pytensor.shared(np.zeros(2), name="w")
+    path = tmp_path / "c.npz"
+    save_state(path, [w])
+    members = _saved_members(path)
+    import io
+    for marker in (np.array(7), np.frombuffer(b'{"format": 3, "names": [["w", "w.npy"]]}',
+                                                np.uint8)):
+        buf = io.BytesIO()
+        np.lib.format.write_array(buf, marker)
+        members["__lasagne_accum_state__.npy"] = buf.getvalue()
+        _write_raw(path, members)
+        with pytest.raises(ValueError, match="format version [37].*upgrade"):
+            load_state(path, [w])
+
+
+def test_format_1_files_still_load(tmp_path):
+    w = pytensor.shared(np.zeros(2), name="w")
+    path = tmp_path / "old.npz"
+    np.savez(path, w=np.array([3.0, 4.0]), __lasagne_accum_state__=np.array(1))
+    assert load_state(path, [w]) == ["w"]
+    assert w.get_value().tolist() == [3.0, 4.0]
+
+
+def _dead_pid():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                         capture_output=True, text=True, check=True, timeout=60)
+    return int(out.stdout)
+
+
+def test_stale_temp_files_of_the_target_are_cleaned(tmp_path):
+    """A process killed mid-save leaves .tmp-*; the next save of the same target removes it."""
+    a = pytensor.shared(np.arange(2.0), name="a")
+    dead = _dead_pid()
+    stale = tmp_path / f".tmp-c.npz-{dead}-abc123_x.npz"
+    other_target = tmp_path / f".tmp-d.npz-{dead}-abc123_x.npz"
+    live = tmp_path / f".tmp-c.npz-{os.getppid()}-zz9.npz"    # a running process's save
+    foreign = tmp_path / ".tmp-c.npz-notours"
+    for f in (stale, other_target, live, foreign):
+        f.write_bytes(b"PK partial")
+    save_state(tmp_path / "c.npz", [a])
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["c.npz", other_target.name, live.name, foreign.name])
+
+
+def test_duplicate_and_missing_names_warn_at_save_and_refuse_at_load(tmp_path):
+    a = pytensor.shared(np.zeros(2), name="t")
+    b = pytensor.shared(np.ones(2), name="t")
+    c = pytensor.shared(np.full(2, 2.0))
+    path = tmp_path / "c.npz"
+    with pytest.warns(UserWarning, match=r"3 variable\(s\) have no unique name.*t, t#2, var2"):
+        save_state(path, [a, b, c])
+    before = [v.get_value().copy() for v in (a, b, c)]
+    for v in (a, b, c):
+        v.set_value(np.full(2, 9.0))
+    with pytest.raises(ValueError, match="t, t#2, var2 have no unique name"):
+        load_state(path, [b, a, c])                   # swapped order: a guess would be wrong
+    for v in (a, b, c):
+        assert v.get_value().tolist() == [9.0, 9.0]
+    assert before[0].tolist() == [0.0, 0.0]
+
+
+def test_unique_names_save_without_warning(tmp_path, recwarn):
+    a = pytensor.shared(np.zeros(2), name="a")
+    save_state(tmp_path / "c.npz", [a])
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]

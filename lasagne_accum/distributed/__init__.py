@@ -24,21 +24,26 @@ runs the same code on both.
 
 import contextlib
 import functools
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .core import (
-    ParameterServer,
+from .checks import (
     PushRejected,
+    RoundFailedError,
     RoundTimeoutError,
-    Shard,
+    ServerOptions,
+    ServerTimeoutError,
+    ShardLostError,
     StalePushError,
     UnknownWorkerError,
-    Worker,
-    model_spec,
 )
+from ..state import save_arrays
 from .local import run_local
+from .server import ParameterServer
+from .shard import Shard
+from .worker import Worker, model_spec
 
 __all__ = [
     "train",
@@ -46,10 +51,14 @@ __all__ = [
     "ParameterServer",
     "Shard",
     "Worker",
+    "ServerOptions",
     "PushRejected",
     "UnknownWorkerError",
     "StalePushError",
+    "RoundFailedError",
     "RoundTimeoutError",
+    "ServerTimeoutError",
+    "ShardLostError",
     "run_local",
 ]
 
@@ -79,6 +88,11 @@ class TrainResult:
     server : ParameterServer or None
         The local server (to keep training or save it); None for Dask, whose
         actors are released at the end (use `checkpoint_to`).
+    lost_workers : list of dict
+        Dask: trainers whose process died (``worker``, ``address``,
+        ``reason``); training went on without them.
+    checkpoints : int
+        Checkpoints written during training (`checkpoint_every`).
     """
 
     params: dict
@@ -89,6 +103,8 @@ class TrainResult:
     backend: str = "local"
     mode: str = "sync"
     server: object = None
+    lost_workers: list = field(default_factory=list)
+    checkpoints: int = 0
 
     @property
     def pushes(self):
@@ -138,7 +154,7 @@ def train(build_model, worker_batches, update_rule, rule_kwargs=None, *, n_worke
           staleness_scale=False, round_timeout=None, on_timeout="close", model_kwargs=None,
           compile_mode=None, snapshot_interval=None, resume_from=None, checkpoint_to=None,
           server=None, address=None, client=None, security=None, n_dask_workers=None,
-          keep_log=False):
+          keep_log=False, wait_timeout=600.0, checkpoint_every=None):
     """Train with a parameter server and one worker per batch list; same code on both backends.
 
     Parameters
@@ -161,12 +177,18 @@ def train(build_model, worker_batches, update_rule, rule_kwargs=None, *, n_worke
     backend : {"local", "dask"}
     accumulate : int
         Batches accumulated locally per push.
-    shards, merge, staleness_scale, round_timeout, on_timeout, compile_mode, keep_log
-        See :class:`ParameterServer`.
+    shards, merge, staleness_scale, round_timeout, on_timeout, compile_mode, keep_log,
+    wait_timeout
+        See :class:`ParameterServer` and :class:`ServerOptions`.
     snapshot_interval : float, optional
         Record ``(time, version, params)`` every this many seconds.
     resume_from, checkpoint_to : path, optional
         Load the server's state before training; save it after.
+    checkpoint_every : float, optional
+        Also save to `checkpoint_to` every this many seconds while training
+        runs (atomic, through :func:`lasagne_accum.state.save_arrays`; both
+        backends), so a lost shard process costs at most that much training:
+        restart with ``resume_from=checkpoint_to``.
     server : ParameterServer or DaskParameterServer, optional
         Keep training on an existing server (then `update_rule` and the
         server options are not used).
@@ -192,21 +214,32 @@ def train(build_model, worker_batches, update_rule, rule_kwargs=None, *, n_worke
             raise ValueError(f"n_workers={n_workers} but {len(per)} batch lists")
     if not per:
         raise ValueError("no workers: worker_batches is empty")
-    opts = dict(mode=mode, shards=shards, merge=merge, staleness_scale=staleness_scale,
-                round_timeout=round_timeout, on_timeout=on_timeout, compile_mode=compile_mode,
-                keep_log=keep_log)
+    if checkpoint_every is not None:
+        if checkpoint_to is None:
+            raise ValueError("checkpoint_every= needs checkpoint_to= (the file to save to)")
+        if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, (int, float)) \
+                or not checkpoint_every > 0:
+            raise ValueError(f"checkpoint_every must be a number of seconds > 0, got "
+                             f"{checkpoint_every!r}")
+    options = ServerOptions(mode=mode, merge=merge, staleness_scale=staleness_scale,
+                            round_timeout=round_timeout, on_timeout=on_timeout,
+                            compile_mode=compile_mode, keep_log=keep_log,
+                            wait_timeout=wait_timeout)
     run = dict(accumulate=accumulate, model_kwargs=model_kwargs, compile_mode=compile_mode,
                snapshot_interval=snapshot_interval)
 
     if backend == "local":
         if server is None:
             server = ParameterServer(_initial_params(build_model, model_kwargs), update_rule,
-                                     rule_kwargs, **opts)
+                                     rule_kwargs, shards=shards, options=options)
         if resume_from is not None:
             server.load(resume_from)
         batches = [b() if callable(b) else b for b in per]
-        reports, history = run_local(server, build_model, batches, **run)
-        return _finish(server, reports, history, "local", checkpoint_to, keep=server)
+        saver = _Saver(server, checkpoint_to, checkpoint_every)
+        reports, history = run_local(server, build_model, batches,
+                                     checkpoint=saver if checkpoint_every else None, **run)
+        return _finish(server, reports, history, "local", checkpoint_to, keep=server,
+                       saves=saver.count)
 
     from .dask import DaskParameterServer, connect, local_cluster, run_dask
 
@@ -219,17 +252,61 @@ def train(build_model, worker_batches, update_rule, rule_kwargs=None, *, n_worke
                     local_cluster(n_dask_workers or len(per), security=security))
         if server is None:
             server = DaskParameterServer(client, _initial_params(build_model, model_kwargs),
-                                         update_rule, rule_kwargs, **opts)
+                                         update_rule, rule_kwargs, shards=shards,
+                                         options=options)
             stack.callback(server.close)
         if resume_from is not None:
             server.load(resume_from)
-        reports, history = run_dask(server, client, build_model, per, **run)
-        return _finish(server, reports, history, "dask", checkpoint_to, keep=None)
+        saver = _Saver(server, checkpoint_to, checkpoint_every)
+        lost = []
+        try:
+            reports, history = run_dask(server, client, build_model, per, lost=lost,
+                                        checkpoint=saver if checkpoint_every else None, **run)
+        except Exception as exc:
+            cause = exc if isinstance(exc, ShardLostError) else exc.__cause__
+            if isinstance(cause, ShardLostError):
+                raise saver.explain(cause) from exc
+            raise
+        return _finish(server, reports, history, "dask", checkpoint_to, keep=None, lost=lost,
+                       saves=saver.count)
 
 
-def _finish(server, reports, history, backend, checkpoint_to, keep):
+class _Saver:
+    """Save the server to `path` when `every` seconds have passed since the last save."""
+
+    def __init__(self, server, path, every):
+        self.server, self.path, self.every = server, path, every
+        self.count = 0
+        self.due = time.monotonic()          # the first call saves: a resume point at once
+
+    versions = None
+    saved_at = None
+
+    def __call__(self):
+        if time.monotonic() >= self.due:
+            arrays = self.server.state()
+            save_arrays(self.path, arrays)
+            self.versions = tuple(int(arrays[f"{s}/counters"][0])
+                                  for s in self.server.shard_names)
+            self.saved_at = time.monotonic()
+            self.count += 1
+            self.due = time.monotonic() + self.every
+
+    def explain(self, exc):
+        """`exc` (a ShardLostError) with what the last checkpoint holds."""
+        if self.versions is None:
+            return exc
+        return ShardLostError(
+            f"{exc} The last checkpoint, {self.path}, holds shard versions {self.versions} "
+            f"(saved {time.monotonic() - self.saved_at:.1f} s before this error): the steps "
+            f"after those are lost; train(..., resume_from={str(self.path)!r}) goes on from "
+            "there.")
+
+
+def _finish(server, reports, history, backend, checkpoint_to, keep, lost=(), saves=0):
     if checkpoint_to is not None:
         server.save(checkpoint_to)
     version, params = server.pull()
     return TrainResult(params=params, version=version, stats=server.stats(), workers=reports,
-                       history=history, backend=backend, mode=server.mode, server=keep)
+                       history=history, backend=backend, mode=server.mode, server=keep,
+                       lost_workers=list(lost), checkpoints=saves)

@@ -14,7 +14,8 @@ Dask backend (processes) for parallel compute.
 import threading
 import time
 
-from .core import ParameterServer, Worker
+from .server import ParameterServer
+from .worker import Worker, raise_worker_errors, worker_lists
 
 __all__ = ["run_local", "snapshot"]
 
@@ -26,14 +27,15 @@ def snapshot(server):
 
 
 def run_local(server, build_model, worker_batches, *, accumulate=1, model_kwargs=None,
-              compile_mode=None, snapshot_interval=None, worker_ids=None):
+              compile_mode=None, snapshot_interval=None, worker_ids=None, checkpoint=None,
+              tick=0.1):
     """Run one thread per entry of `worker_batches` against `server`.
 
     Parameters
     ----------
     server : ParameterServer
     build_model : callable
-        See :class:`~lasagne_accum.distributed.core.Worker`.
+        See :class:`~lasagne_accum.distributed.worker.Worker`.
     worker_batches : list
         One iterable of batches (tuples of input arrays) per worker.
     accumulate : int
@@ -43,6 +45,9 @@ def run_local(server, build_model, worker_batches, *, accumulate=1, model_kwargs
         server (for loss-versus-time curves).
     worker_ids : list, optional
         Default ``worker0``, ``worker1``...
+    checkpoint : callable, optional
+        Called every `tick` seconds while the workers run (the caller
+        decides when to save).
 
     Returns
     -------
@@ -57,11 +62,7 @@ def run_local(server, build_model, worker_batches, *, accumulate=1, model_kwargs
     """
     if not isinstance(server, ParameterServer):
         raise TypeError("run_local() needs a ParameterServer (the in-process server)")
-    worker_batches = list(worker_batches)
-    ids = list(worker_ids) if worker_ids is not None else \
-        [f"worker{k}" for k in range(len(worker_batches))]
-    if len(ids) != len(worker_batches):
-        raise ValueError(f"{len(ids)} worker ids for {len(worker_batches)} batch lists")
+    worker_batches, ids = worker_lists(worker_batches, worker_ids)
     workers = [Worker(server, wid, build_model, accumulate=accumulate,
                       model_kwargs=model_kwargs, compile_mode=compile_mode) for wid in ids]
     for wid in ids:          # every worker is live before the first round opens
@@ -72,7 +73,7 @@ def run_local(server, build_model, worker_batches, *, accumulate=1, model_kwargs
 
     def start():                 # timed training starts together (after JIT warm-up)
         try:
-            barrier.wait()
+            barrier.wait(timeout=server.options.wait_timeout)
         except threading.BrokenBarrierError:   # a worker failed before it: go on
             pass
 
@@ -94,19 +95,22 @@ def run_local(server, build_model, worker_batches, *, accumulate=1, model_kwargs
             alive = [t for t in threads if t.is_alive()]
             if not alive:
                 break
-            if not snapshot_interval:
+            if not snapshot_interval and checkpoint is None:
                 alive[0].join()
                 continue
-            alive[0].join(timeout=max(0.0, due - time.monotonic()))
-            if time.monotonic() >= due:
+            wait = tick if checkpoint is not None else max(0.0, due - time.monotonic())
+            if snapshot_interval:
+                wait = min(wait, max(0.0, due - time.monotonic()))
+            alive[0].join(timeout=wait)
+            if snapshot_interval and time.monotonic() >= due:
                 history.append(snapshot(server))
                 due += snapshot_interval
+            if checkpoint is not None:
+                checkpoint()
     finally:
         for t in threads:
             t.join()
     if snapshot_interval:
         history.append(snapshot(server))
-    for wid, exc in zip(ids, errors):
-        if exc is not None:
-            raise RuntimeError(f"worker {wid!r} failed: {type(exc).__name__}: {exc}") from exc
+    raise_worker_errors(ids, errors)
     return reports, history

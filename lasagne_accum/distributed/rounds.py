@@ -1,0 +1,360 @@
+"""The bookkeeping of one shard, in plain Python: workers, retries, sync rounds, counters.
+
+:class:`Rounds` decides what a push does (a duplicate, a rejection, an
+async step, a place in the open sync round, the push that closes it) and
+keeps the counters; the arithmetic is an ``apply`` object it is given (the
+compiled function of :mod:`lasagne_accum.distributed.shard`, or a numpy
+function in tests). It has no lock: its owner holds one around every call.
+"""
+
+import json
+import time
+from collections import OrderedDict
+
+import numpy as np
+
+from .checks import PushRejected, RoundFailedError, RoundTimeoutError, StalePushError, \
+    UnknownWorkerError
+
+__all__ = ["Rounds", "Seen"]
+
+KEEP_RESULTS = 256          # sync round results kept for late waiters
+
+
+class Seen:
+    """The set of a worker's applied sequence numbers, compacted below a floor.
+
+    Examples
+    --------
+    >>> s = Seen()
+    >>> for seq in (0, 1, 3):
+    ...     s.add(seq)
+    >>> (s.floor, sorted(s.above), 2 in s, 3 in s)
+    (1, [3], False, True)
+    """
+
+    __slots__ = ("floor", "above")
+
+    def __init__(self, floor=-1, above=()):
+        self.floor, self.above = int(floor), set(int(a) for a in above)
+
+    def __contains__(self, seq):
+        return seq <= self.floor or seq in self.above
+
+    def add(self, seq):
+        self.above.add(seq)
+        while self.floor + 1 in self.above:
+            self.floor += 1
+            self.above.discard(self.floor)
+
+
+class Rounds:
+    """Who may push, what was applied, and the open sync round of one shard.
+
+    Parameters
+    ----------
+    name : str
+        The shard's name (in messages).
+    specs : dict
+        ``{param name: (shape, dtype)}``.
+    options : ServerOptions
+    apply : object
+        ``apply.factor(step, scale)`` returns the learning-rate factor of the
+        step numbered `step` (raising ValueError if the schedule gives a bad
+        value) and ``apply(arrays, factor)`` applies one step.
+
+    Notes
+    -----
+    The caller holds a lock around every method. :meth:`check` changes
+    nothing (besides expiring a timed-out round), so a push to several
+    shards is checked on all of them before it is committed to any.
+    """
+
+    def __init__(self, name, specs, options, apply, clock=time.monotonic):
+        self.name, self.specs, self.options, self.apply = name, specs, options, apply
+        self.clock = clock
+        self.version = 0             # optimizer steps taken
+        self.applied = 0             # pushes applied (async) or merged (sync)
+        self.live = OrderedDict()    # worker id -> True
+        self.dropped = {}            # worker id -> reason
+        self.seen = {}               # worker id -> Seen
+        self.last = {}               # worker id -> (seq, round id) of its last sync push
+        self.pending = OrderedDict()  # worker id -> (seq, arrays, weight)
+        self.round = 0               # id of the open (or next) sync round
+        self.round_started = None
+        self.results = OrderedDict()
+        self.counts = dict(received=0, duplicates=0, rejected=0, bytes=0, examples=0.0,
+                           rounds=0, timeouts=0, failed_rounds=0)
+        self.staleness = {}
+        self.log = []
+        self.listeners = []          # callables(round id), called when a round ends
+
+    @property
+    def where(self):
+        return f"shard {self.name!r}"
+
+    # ------------------------------------------------------------ workers
+
+    def register(self, worker_id):
+        self.expire()
+        self.live[worker_id] = True
+        self.dropped.pop(worker_id, None)
+        self.seen.setdefault(worker_id, Seen())
+
+    def unregister(self, worker_id):
+        """Remove a live worker; a sync round waiting only for it closes. True if it was live."""
+        was = self.live.pop(worker_id, None) is not None
+        if self.pending and self._complete():
+            self.close_round(timed_out=False)
+        return was
+
+    def require_live(self, worker_id):
+        if worker_id not in self.live:
+            reason = self.dropped.get(worker_id)
+            why = f" ({reason})" if reason else ""
+            raise UnknownWorkerError(f"{self.where}: worker {worker_id!r} is not registered"
+                                     f"{why}; call register({worker_id!r}) first")
+
+    # ------------------------------------------------------------ pushes
+
+    def check(self, worker_id, seq, version):
+        """Decide what a push would do; change nothing.
+
+        Returns
+        -------
+        ("duplicate", result) or ("new", factor)
+            `factor` is the async step's learning-rate factor (None in sync
+            mode, where it is computed when the round closes).
+
+        Raises
+        ------
+        PushRejected, UnknownWorkerError, StalePushError
+            The push cannot be taken.
+        RoundFailedError
+            Async mode: the learning-rate schedule gives a bad value now.
+        """
+        self.expire()
+        self.require_live(worker_id)
+        if seq in self.seen[worker_id] or self.pending.get(worker_id, (None,))[0] == seq:
+            last = self.last.get(worker_id)
+            return "duplicate", dict(applied=False, duplicate=True, staleness=None,
+                                     round=last[1] if last and last[0] == seq else None)
+        if version < 0 or version > self.version:
+            raise PushRejected(f"{self.where}: version {version} does not exist (the shard is "
+                               f"at version {self.version})")
+        if self.options.mode == "sync":
+            if version != self.version:
+                raise StalePushError(
+                    f"{self.where}: push computed from version {version} but the open round "
+                    f"is for version {self.version}; pull() and recompute")
+            if worker_id in self.pending:
+                raise PushRejected(f"{self.where}: worker {worker_id!r} already pushed (seq "
+                                   f"{self.pending[worker_id][0]}) in this round")
+            return "new", None
+        staleness = self.version - version
+        scale = 1.0 / max(1, staleness) if self.options.staleness_scale else 1.0
+        return "new", self._factor(scale)
+
+    def _factor(self, scale):
+        try:
+            return self.apply.factor(self.version, scale)
+        except ValueError as exc:
+            raise RoundFailedError(f"{self.where}: cannot step at version {self.version}: "
+                                   f"{exc}") from None
+
+    def commit(self, worker_id, seq, arrays, weight, version, ticket):
+        """Carry out a push that :meth:`check` accepted (same lock hold); return its result."""
+        kind, value = ticket
+        if kind == "duplicate":
+            self.counts["duplicates"] += 1
+            return dict(value, version=self.version)
+        self.counts["received"] += 1
+        self.counts["bytes"] += sum(a.nbytes for a in arrays)
+        self.counts["examples"] += weight
+        if self.options.mode == "async":
+            staleness = self.version - version
+            try:
+                self.apply(arrays, value)
+            except Exception as exc:
+                raise RoundFailedError(f"{self.where}: applying the push of worker "
+                                       f"{worker_id!r} (seq {seq}) failed, nothing applied: "
+                                       f"{type(exc).__name__}: {exc}") from exc
+            self.seen[worker_id].add(seq)
+            self.version += 1
+            self.applied += 1
+            self.staleness[staleness] = self.staleness.get(staleness, 0) + 1
+            if self.options.keep_log:
+                self.log.append((worker_id, seq, staleness))
+            return dict(applied=True, duplicate=False, staleness=staleness, round=None,
+                        version=self.version)
+        if not self.pending:
+            self.round_started = self.clock()
+        self.pending[worker_id] = (seq, arrays, weight)
+        self.last[worker_id] = (seq, self.round)
+        rid = self.round
+        closed = self._complete() and self.close_round(timed_out=False)
+        return dict(applied=bool(closed), duplicate=False, staleness=0, round=rid,
+                    version=self.version)
+
+    # ------------------------------------------------------------ sync rounds
+
+    def _complete(self):
+        return bool(self.pending) and all(w in self.pending for w in self.live)
+
+    def merged(self):
+        """``(order, total weight, arrays)`` of the open round: the weighted mean or the sum."""
+        order = sorted(self.pending, key=str)
+        total = sum(self.pending[w][2] for w in order)
+        mean = self.options.merge == "mean"
+        out = []
+        for i, (shape, dtype) in enumerate(self.specs.values()):
+            acc = np.zeros(shape, np.float64)
+            for w in order:
+                _, arrays, weight = self.pending[w]
+                if mean:
+                    acc += weight * arrays[i].astype(np.float64)
+                else:
+                    acc += arrays[i]
+            if mean:
+                acc /= total
+            out.append(acc.astype(dtype))
+        return order, total, out
+
+    def close_round(self, timed_out):
+        """Apply the open round; return its result, or None if applying failed (round failed)."""
+        order, total, merged = self.merged()
+        try:
+            factor = self._factor(1.0)
+            self.apply(merged, factor)
+        except Exception as exc:
+            self.fail_round(RoundFailedError(
+                f"{self.where}: sync round {self.round} (version {self.version}) could not "
+                f"be applied: {type(exc).__name__}: {exc}; nothing of it was applied and the "
+                "server keeps serving: push again to retry"), missing=[])
+            return None
+        missing = [w for w in self.live if w not in self.pending]
+        for w in order:
+            self.seen[w].add(self.pending[w][0])
+        if self.options.keep_log:
+            self.log.append(tuple((w, self.pending[w][0]) for w in order))
+        dropped = self._drop(missing, "dropped after missing the timeout of round "
+                                      f"{self.round}") if timed_out else []
+        self.version += 1
+        self.applied += len(order)
+        self.counts["rounds"] += 1
+        self.counts["timeouts"] += bool(timed_out)
+        result = dict(round=self.round, version=self.version, workers=order, weight=total,
+                      timed_out=bool(timed_out), dropped=dropped)
+        self._finish(result)
+        return result
+
+    def fail_round(self, error, missing):
+        """Discard the open round (nothing applied); `error` goes to its waiters."""
+        self._drop(missing, f"dropped after missing the timeout of round {self.round}")
+        for w, (seq, _, _) in self.pending.items():   # not applied: may be pushed again
+            if self.last.get(w, (None,))[0] == seq:
+                self.last.pop(w)
+        self.counts["failed_rounds"] += 1
+        self._finish(error)
+
+    def _drop(self, workers, reason):
+        for w in workers:
+            self.live.pop(w, None)
+            self.dropped[w] = reason
+        return list(workers)
+
+    def _finish(self, result):
+        self.results[self.round] = result
+        while len(self.results) > KEEP_RESULTS:
+            self.results.popitem(last=False)
+        self.pending.clear()
+        rid = self.round
+        self.round += 1
+        self.round_started = None
+        for listener in self.listeners:
+            listener(rid)
+
+    def expire(self):
+        """Close or fail a sync round past its timeout."""
+        timeout = self.options.round_timeout
+        if timeout is None or not self.pending or self.clock() - self.round_started < timeout:
+            return
+        missing = [w for w in self.live if w not in self.pending]
+        if self.options.on_timeout == "close":
+            if self.close_round(timed_out=True) is None:      # it failed: still a timeout
+                self.counts["timeouts"] += 1
+            return
+        self.counts["timeouts"] += 1
+        self.fail_round(RoundTimeoutError(
+            f"{self.where}: sync round {self.round} (version {self.version}) timed out after "
+            f"{timeout} s without a push from {', '.join(map(repr, missing))}; the round was "
+            "discarded (nothing applied), those workers were dropped, and the server keeps "
+            "serving: push again to retry"), missing)
+
+    def deadline(self):
+        """Seconds until the open round times out (None: no timeout or no open round)."""
+        if self.options.round_timeout is None or self.round_started is None:
+            return None
+        return max(0.0, self.round_started + self.options.round_timeout - self.clock())
+
+    def outcome(self, round_id):
+        """The result of round `round_id`, None while it is open; raises if it failed."""
+        self.expire()
+        if round_id in self.results:
+            result = self.results[round_id]
+            if isinstance(result, Exception):
+                raise type(result)(str(result))
+            return dict(result)
+        if round_id < self.round:
+            return dict(round=round_id, expired=True, version=self.version)
+        if round_id > self.round:
+            raise ValueError(f"{self.where}: round {round_id} has not opened (the open round "
+                             f"is {self.round})")
+        return None
+
+    def missing(self):
+        """Live workers the open round still waits for."""
+        return [w for w in self.live if w not in self.pending]
+
+    # ------------------------------------------------------------ stats, state
+
+    def stats(self):
+        self.expire()
+        out = dict(self.counts, name=self.name, mode=self.options.mode, version=self.version,
+                   applied=self.applied, pending=len(self.pending),
+                   live_workers=list(self.live), dropped=dict(self.dropped),
+                   staleness=dict(sorted(self.staleness.items())))
+        if self.options.keep_log:
+            out["log"] = list(self.log)
+        return out
+
+    def counters(self):
+        """``(int64 [version, applied], uint8 JSON of each worker's applied seqs)``."""
+        seen = [[w, s.floor, sorted(s.above)] for w, s in self.seen.items()
+                if s.floor >= 0 or s.above]
+        text = json.dumps(dict(seen=seen)).encode("utf-8")
+        return (np.array([self.version, self.applied], np.int64),
+                np.frombuffer(text, np.uint8).copy())
+
+    @staticmethod
+    def parse_seen(array, where):
+        """``{worker id: Seen}`` from :meth:`counters`' second array; ValueError if malformed."""
+        try:
+            data = json.loads(np.asarray(array, np.uint8).tobytes().decode("utf-8"))
+            return {w: Seen(floor, above)
+                    for w, floor, above in data["seen"]}
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{where}: the record of applied pushes is malformed: {exc}") \
+                from None
+
+    def load_counters(self, counters, seen):
+        """Set version, applied and the applied seqs (checked by the caller)."""
+        if self.pending:
+            raise RuntimeError(f"{self.where}: cannot load a checkpoint while a sync round "
+                               "is open")
+        self.version, self.applied = int(counters[0]), int(counters[1])
+        if seen is not None:
+            self.seen = dict(seen)
+            for w in self.live:
+                self.seen.setdefault(w, Seen())
+        self.round_started = None

@@ -1,0 +1,428 @@
+"""One shard: some parameters, the rule's compiled apply function, and a lock.
+
+:class:`ApplyFunction` is the PyTensor part (build the rule's graph for the
+shard's parameters, compile it, turn the learning rate into a factor fed at
+every step); :class:`~lasagne_accum.distributed.rounds.Rounds` is the
+bookkeeping; :class:`Shard` puts them behind one lock. :func:`push_atomic`
+pushes to several shards at once: it checks the push on every one of them
+before it commits it to any, so a rejected push leaves no trace.
+"""
+
+import contextlib
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+from pytensor.compile.sharedvalue import SharedVariable
+
+from ..state import collect_state
+from ..training import default_modes
+from .checks import PushRejected, ServerOptions, ServerTimeoutError, check_grads, \
+    check_seq, check_version, check_weight, check_worker_id, learning_rate_kind, \
+    named_params, param_specs, rule_name
+from .rounds import Rounds
+
+__all__ = ["Shard", "ApplyFunction", "push_atomic"]
+
+
+class ApplyFunction:
+    """The update rule for some parameters, compiled: ``fn(grads..., factor)``.
+
+    Parameters
+    ----------
+    shard_name : str
+        Prefixes the rule's shard-level state (``W1/adam.t``).
+    params : dict
+        ``{name: shared variable}``.
+    update_rule, rule_kwargs
+        The rule is called once here, so its step counter is the shard's own.
+        ``learning_rate`` may be a number, a symbolic scalar or a schedule
+        ``callable(step) -> float``; a factor input carries it (or scales the
+        gradients of a rule without a learning rate).
+    compile_mode : str, optional
+    """
+
+    def __init__(self, shard_name, params, update_rule, rule_kwargs, compile_mode):
+        if not callable(update_rule):
+            raise TypeError(f"update_rule must be callable, got {type(update_rule).__name__}")
+        rule_kwargs = dict(rule_kwargs or {})
+        self.params = params
+        self.specs = param_specs(params)
+        grads = [pt.tensor(dtype=p.type.dtype, shape=np.shape(p.get_value(borrow=True)),
+                           name=f"{n}.grad") for n, p in params.items()]
+        factor = pt.dscalar(f"{shard_name}.lr_factor")
+        self.kind, self.base = learning_rate_kind(update_rule, rule_kwargs)
+        used = grads
+        if self.kind == "none":
+            used = [g * pt.cast(factor, g.type.dtype) for g in grads]
+        elif self.kind == "symbolic":
+            rule_kwargs["learning_rate"] = self.base * factor
+        else:
+            rule_kwargs["learning_rate"] = factor
+        updates = update_rule(used, list(params.values()), **rule_kwargs)
+        name = rule_name(update_rule)
+        if not isinstance(updates, Mapping):
+            raise TypeError(f"update_rule {name} returned {type(updates).__name__}, not an "
+                            "update dictionary")
+        for n, p in params.items():
+            if p not in updates:
+                raise ValueError(f"update_rule {name} does not update parameter {n!r}")
+        prefixes = tuple(f"{n}." for n in params)
+        for i, var in enumerate(updates):
+            if not isinstance(var, SharedVariable):
+                raise TypeError(f"update_rule {name} returned a key {var!r} that is not a "
+                                "shared variable")
+            if var.name in params and params[var.name] is var:
+                continue
+            if not (var.name or "").startswith(prefixes):
+                # shard-level state (adam.t): one per shard, named after it
+                var.name = f"{shard_name}/{var.name or f'state{i}'}"
+        self.updates = OrderedDict(updates)
+        mode = compile_mode or default_modes()[1]
+        self._fn = pytensor.function(grads + [factor], [], updates=self.updates, mode=mode)
+        self._warm_up()
+
+    def _warm_up(self):
+        """Call the function once (JIT backends compile on the first call), then undo it."""
+        saved = [(var, var.get_value(borrow=False)) for var in self.updates]
+        try:
+            self._fn(*[np.zeros(shape, dtype) for shape, dtype in self.specs.values()], 0.0)
+        finally:
+            for var, value in saved:
+                var.set_value(value)
+
+    def factor(self, step, scale):
+        """The factor input of step number `step` (0-based); ValueError for a bad schedule value."""
+        if self.kind == "number":
+            return self.base * scale
+        if self.kind == "schedule":
+            value = self.base(step)
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"learning-rate schedule returned {value!r} at step {step}, "
+                                 "not a number") from None
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"learning-rate schedule returned {value} at step {step}; "
+                                 "it must be finite and >= 0")
+            return value * scale
+        return scale
+
+    def __call__(self, arrays, factor):
+        # arrays that crossed a process boundary may be unaligned views of the message,
+        # which PyTensor's C code refuses: only those are copied
+        self._fn(*[a if a.flags.aligned else np.array(a) for a in arrays], factor)
+
+    def state_variables(self):
+        """``{name: shared variable}``: params and the rule's state."""
+        return collect_state(self.updates)
+
+
+class Shard:
+    """Some parameters, the rule's state for them, and one compiled apply function.
+
+    All methods are thread-safe: one lock serializes the shard's updates
+    (different shards update in parallel). A server (local or Dask) creates
+    shards; you rarely call them directly.
+
+    Parameters
+    ----------
+    name : str
+        The shard's name; it prefixes the rule's shard-level state in
+        checkpoints (``W1/adam.t``).
+    params : dict
+        ``{name: ndarray or shared variable}`` (shared variables are used as
+        they are and updated in place).
+    update_rule : callable
+        ``update_rule(grads, params, **rule_kwargs)`` returning an update
+        dictionary. It is called once for this shard, so its step counter
+        (``adam.t``) is the shard's own.
+    rule_kwargs : dict, optional
+        Hyperparameters; ``learning_rate`` may be a number, a symbolic scalar
+        (in-process only) or a callable ``schedule(step) -> float``
+        evaluated at every step of the shard (0 for the first).
+    options : ServerOptions, optional
+    **option_kwargs
+        Fields of :class:`~lasagne_accum.distributed.checks.ServerOptions`.
+    """
+
+    def __init__(self, name, params, update_rule, rule_kwargs=None, options=None,
+                 **option_kwargs):
+        self.options = ServerOptions.of(options, **option_kwargs)
+        self.name = name
+        named = named_params(params)
+        self.params = OrderedDict(
+            (n, p if isinstance(p, SharedVariable) else pytensor.shared(p, name=n))
+            for n, p in named.items())
+        self.specs = param_specs(self.params)
+        self.fn = ApplyFunction(name, self.params, update_rule, rule_kwargs,
+                                self.options.compile_mode)
+        self.updates = self.fn.updates
+        self.lock = threading.Lock()
+        self._cond = threading.Condition(self.lock)
+        self.book = Rounds(name, self.specs, self.options, self.fn)
+        self.book.listeners.append(lambda rid: self._cond.notify_all())
+
+    # ---------------------------------------------------------------- workers
+
+    def register(self, worker_id):
+        """Add a live worker (idempotent); return ``(version, {name: array})``."""
+        check_worker_id(worker_id)
+        with self.lock:
+            self.book.register(worker_id)
+            return self.book.version, self._copy()
+
+    def next_seq(self, worker_id):
+        """One more than the highest seq of `worker_id` applied here (0 if none)."""
+        with self.lock:
+            seen = self.book.seen.get(worker_id)
+            if seen is None:
+                return 0
+            return max([seen.floor] + list(seen.above)) + 1
+
+    def unregister(self, worker_id):
+        """Remove a worker from the live set (a sync round may close now); True if it was live."""
+        with self.lock:
+            return self.book.unregister(worker_id)
+
+    # ---------------------------------------------------------------- pull
+
+    def pull(self):
+        """``(version, {name: array copy})`` of this shard."""
+        with self.lock:
+            self.book.expire()
+            return self.book.version, self._copy()
+
+    def _copy(self):
+        return {n: p.get_value(borrow=False) for n, p in self.params.items()}
+
+    # ---------------------------------------------------------------- push
+
+    def push(self, worker_id, seq, grads, weight=1.0, version=None, pull=False):
+        """Apply (async) or add to the open round (sync) one worker's gradients.
+
+        Parameters
+        ----------
+        worker_id : str or int
+            A registered worker.
+        seq : int
+            The worker's push counter: a second push with the same
+            ``(worker_id, seq)`` (a retry) is not applied again.
+        grads : dict
+            ``{parameter name: array}`` for every parameter of the shard.
+        weight : float
+            Examples behind the gradient (its weight in the sync mean).
+        version : int
+            The shard version the gradient was computed from.
+        pull : bool
+            Also return the parameters after the push (``params``).
+
+        Returns
+        -------
+        dict
+            ``applied``, ``duplicate``, ``staleness`` (async), ``round`` (sync:
+            the id to pass to :meth:`wait_round`), ``version``.
+
+        Raises
+        ------
+        PushRejected
+            Bad input; nothing changes on the shard.
+        RoundFailedError
+            Async mode: the step could not be applied (nothing was).
+        """
+        where = f"shard {self.name!r}"
+        try:
+            call = (check_worker_id(worker_id), check_seq(seq),
+                    check_grads(grads, self.specs, where, self.options.check_finite),
+                    check_weight(weight), check_version(version, where))
+        except PushRejected:
+            self.note_rejected()
+            raise
+        return push_atomic([self], [call], pull, count_rejected=True)[0]
+
+    def note_rejected(self, n=1):
+        """Count `n` rejected pushes (the server counts each rejected push once)."""
+        with self.lock:
+            self.book.counts["rejected"] += n
+
+    # ---------------------------------------------------------------- sync rounds
+
+    def wait_round(self, round_id, timeout=None, blocking=True, pull=False):
+        """Wait for sync round `round_id` to close; return its result.
+
+        Parameters
+        ----------
+        round_id : int
+            From :meth:`push`.
+        timeout : float, optional
+            Seconds to wait (default the server's ``wait_timeout``); then
+            :class:`ServerTimeoutError`. 0 checks once and returns None if
+            the round is open.
+        blocking : bool
+            False: return None at once if another thread holds the lock.
+        pull : bool
+            Also return the parameters (``params``) with the current ``version``.
+
+        Returns
+        -------
+        dict or None
+            ``round``, ``version`` (after the round), ``workers`` (merged, in
+            merge order), ``weight``, ``timed_out``, ``dropped``.
+
+        Raises
+        ------
+        RoundFailedError
+            The round could not be applied, or timed out with
+            ``on_timeout="fail"`` (:class:`RoundTimeoutError`).
+        ServerTimeoutError
+            Waited `timeout` seconds.
+        """
+        if not self.lock.acquire(blocking):
+            return None
+        try:
+            wait_for = self.options.wait_timeout if timeout is None else timeout
+            end = time.monotonic() + wait_for
+            while True:
+                result = self.book.outcome(round_id)
+                if result is not None:
+                    if pull:
+                        result["version"] = self.book.version
+                        result["params"] = self._copy()
+                    return result
+                left = end - time.monotonic()
+                if timeout == 0:
+                    return None
+                if left <= 0:
+                    raise ServerTimeoutError(
+                        f"shard {self.name!r}: waited {wait_for:g} s for sync round {round_id} "
+                        f"to close; it still waits for pushes from "
+                        f"{', '.join(map(repr, self.book.missing())) or 'nobody'} (set "
+                        "round_timeout= to drop workers that stop pushing)")
+                deadline = self.book.deadline()
+                self._cond.wait(max(1e-4, left if deadline is None else min(left, deadline)))
+        finally:
+            self.lock.release()
+
+    # ---------------------------------------------------------------- stats, state
+
+    def stats(self):
+        """Counters of this shard (a plain dict)."""
+        with self.lock:
+            return self.book.stats()
+
+    def _counter_names(self):
+        return f"{self.name}/counters", f"{self.name}/applied_seqs"
+
+    def state_specs(self):
+        """``{name: (shape, dtype)}`` of :meth:`state` (shape None: any length)."""
+        with self.lock:
+            out = OrderedDict((n, (tuple(np.shape(v.get_value(borrow=True))),
+                                   str(np.asarray(v.get_value(borrow=True)).dtype)))
+                              for n, v in self.fn.state_variables().items())
+        counters, seqs = self._counter_names()
+        out[counters] = ((2,), "int64")
+        out[seqs] = (None, "uint8")
+        return out
+
+    def state(self):
+        """``{name: array}``: params, rule state, counters and each worker's applied seqs."""
+        with self.lock:
+            out = OrderedDict((n, v.get_value(borrow=False))
+                              for n, v in self.fn.state_variables().items())
+            counters, seqs = self._counter_names()
+            out[counters], out[seqs] = self.book.counters()
+            return out
+
+    def load(self, arrays):
+        """Set the state from :meth:`state`'s format; all checks first.
+
+        The record of applied seqs is optional (checkpoints of earlier
+        versions lack it); without it, the current record is kept.
+        """
+        counters_name, seqs_name = self._counter_names()
+        with self.lock:
+            named = self.fn.state_variables()
+            expected = list(named) + [counters_name]
+            problems = []
+            missing = [n for n in expected if n not in arrays]
+            extra = [n for n in arrays if n not in expected and n != seqs_name]
+            if missing:
+                problems.append(f"missing: {', '.join(missing)}")
+            if extra:
+                problems.append(f"not in this shard: {', '.join(extra)}")
+            for n, var in named.items():
+                if n in arrays:
+                    cur = np.asarray(var.get_value(borrow=True))
+                    a = np.asarray(arrays[n])
+                    if a.dtype != cur.dtype or a.shape != cur.shape:
+                        problems.append(f"{n}: {a.dtype}{list(a.shape)} in the checkpoint, "
+                                        f"{cur.dtype}{list(cur.shape)} here")
+            counters = np.asarray(arrays.get(counters_name, np.zeros(2, np.int64)))
+            if counters.shape != (2,) or counters.dtype != np.int64:
+                problems.append(f"{counters_name}: expected 2 int64 values")
+            seen = None
+            if seqs_name in arrays:
+                try:
+                    seen = self.book.parse_seen(arrays[seqs_name], f"shard {self.name!r}")
+                except ValueError as exc:
+                    problems.append(str(exc))
+            if self.book.pending:
+                problems.append("a sync round is open")
+            if problems:
+                raise ValueError(f"shard {self.name!r}: cannot load; nothing was loaded:\n  "
+                                 + "\n  ".join(problems))
+            for n, var in named.items():
+                var.set_value(np.array(arrays[n], copy=True))
+            self.book.load_counters(counters, seen)
+            self._cond.notify_all()
+            return expected
+
+
+def push_atomic(shards, calls, pull=False, count_rejected=False):
+    """Push to several shards as one: check every shard, then commit to every shard.
+
+    Parameters
+    ----------
+    shards : list of Shard
+        In a fixed order (their locks are taken in this order).
+    calls : list
+        Per shard ``(worker_id, seq, arrays, weight, version)``, checked
+        (arrays in the shard's spec order, already copied).
+    pull : bool
+        Add each shard's ``params`` to its result.
+    count_rejected : bool
+        Count a rejection on the first shard (the server counts it itself).
+
+    Returns
+    -------
+    list of dict
+        Each shard's result (see :meth:`Shard.push`).
+
+    Raises
+    ------
+    PushRejected, RoundFailedError
+        From the first shard that refuses the push; no shard has changed.
+    """
+    with contextlib.ExitStack() as stack:
+        for shard in shards:
+            stack.enter_context(shard.lock)
+        try:
+            tickets = [shard.book.check(wid, seq, version)
+                       for shard, (wid, seq, _, _, version) in zip(shards, calls)]
+        except PushRejected:
+            if count_rejected:
+                shards[0].book.counts["rejected"] += 1
+            raise
+        out = []
+        for shard, (wid, seq, arrays, weight, version), ticket in zip(shards, calls, tickets):
+            result = shard.book.commit(wid, seq, arrays, weight, version, ticket)
+            if pull and (shard.options.mode == "async" or result["applied"]
+                         or result["duplicate"]):
+                result["params"] = shard._copy()
+            out.append(result)
+        return out

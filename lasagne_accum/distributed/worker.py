@@ -1,0 +1,187 @@
+"""The trainer side: a :class:`Worker` pulls, computes gradients, pushes; and what both runners share."""
+
+import itertools
+import numbers
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+
+import numpy as np
+import pytensor
+
+from ..accumulate import accumulate_gradients
+from ..training import default_modes
+from .checks import check_worker_id, param_specs
+
+__all__ = ["Worker", "model_spec", "worker_lists", "raise_worker_errors"]
+
+
+def model_spec(built):
+    """``(inputs, loss, params, weight)`` from what a ``build_model`` returned."""
+    if isinstance(built, Mapping):
+        inputs, loss, params = built["inputs"], built["loss"], built["params"]
+        weight = built.get("weight")
+    elif isinstance(built, (tuple, list)) and len(built) in (3, 4):
+        inputs, loss, params = built[:3]
+        weight = built[3] if len(built) == 4 else None
+    else:
+        raise TypeError("build_model() must return (inputs, loss, params), (inputs, loss, "
+                        "params, weight) or a dict with those keys")
+    inputs = list(inputs)
+    if weight is None:
+        weight = inputs[0].shape[0]       # examples in the batch
+    return inputs, loss, list(params), weight
+
+
+def worker_lists(worker_batches, ids=None):
+    """The runners' shared set-up: the batch lists and ``worker0, worker1...`` ids, checked."""
+    worker_batches = list(worker_batches)
+    ids = list(ids) if ids is not None else [f"worker{k}" for k in range(len(worker_batches))]
+    if len(ids) != len(worker_batches):
+        raise ValueError(f"{len(ids)} worker ids for {len(worker_batches)} batch lists")
+    for wid in ids:
+        check_worker_id(wid)
+    return worker_batches, ids
+
+
+def raise_worker_errors(ids, errors):
+    """The runners' shared error report: RuntimeError naming the first failed worker."""
+    for wid, exc in zip(ids, errors):
+        if exc is not None:
+            raise RuntimeError(f"worker {wid!r} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _aligned(a):
+    """`a`, copied if it is an unaligned array (Dask's transfers make those; C code refuses them)."""
+    if isinstance(a, np.ndarray) and not a.flags.aligned:
+        return np.array(a, copy=True)
+    return a
+
+
+class Worker:
+    """A trainer: pulls params, computes gradients on its batches, pushes them.
+
+    Parameters
+    ----------
+    server : ParameterServer or DaskParameterServer
+    worker_id : str or int
+    build_model : callable
+        ``build_model(**model_kwargs)`` returning ``(inputs, loss, params)``
+        (or with a 4th element, the batch's weight; default: the first
+        input's length). Param names must match the server's. Called in the
+        worker (each worker compiles its own function: a compiled function
+        is never shared between threads). With Dask it must be picklable: a
+        module-level function.
+    accumulate : int
+        Batches whose gradients are accumulated locally (weighted by batch
+        size) before one push: N times less traffic.
+    model_kwargs : dict, optional
+    compile_mode : str, optional
+        PyTensor mode of both functions (default:
+        :func:`lasagne_accum.training.default_modes`).
+    """
+
+    def __init__(self, server, worker_id, build_model, *, accumulate=1, model_kwargs=None,
+                 compile_mode=None):
+        if isinstance(accumulate, bool) or not isinstance(accumulate, numbers.Integral) \
+                or accumulate < 1:
+            raise ValueError(f"accumulate must be an integer >= 1, got {accumulate!r}")
+        check_worker_id(worker_id)
+        self.server, self.worker_id = server, worker_id
+        self.accumulate = int(accumulate)
+        start = time.perf_counter()
+        inputs, loss, params, weight = model_spec(build_model(**dict(model_kwargs or {})))
+        names = [p.name for p in params]
+        specs = param_specs(OrderedDict((p.name, p) for p in params))
+        if sorted(specs) != sorted(server.specs):
+            raise ValueError(f"worker {worker_id!r}: the model's params {names} do not match "
+                             f"the server's {list(server.specs)}")
+        for n, spec in specs.items():
+            if tuple(spec) != tuple(server.specs[n]):
+                raise ValueError(f"worker {worker_id!r}: param {n!r} is {spec} in the model, "
+                                 f"{server.specs[n]} on the server")
+        self.params = OrderedDict(zip(names, params))
+        acc = accumulate_gradients(loss, params, weight=weight)
+        acc_mode, read_mode = (compile_mode, compile_mode) if compile_mode else default_modes()
+        self._step = pytensor.function(inputs, loss, updates=acc.accumulate, mode=acc_mode)
+        self._read = pytensor.function([], list(acc.grads) + [acc.total], updates=acc.reset,
+                                       mode=read_mode)
+        self.compile_seconds = time.perf_counter() - start
+        self.seq = 0
+        self.version = None
+
+    def _set(self, values):
+        for n, v in values.items():
+            self.params[n].set_value(_aligned(v))
+
+    def run(self, batches, *, register=True, unregister=True, start=None):
+        """Train on `batches` (tuples of the inputs), pushing every `accumulate` batches.
+
+        A partial window at the end is pushed too. The first batch is run
+        once untimed (and its gradient discarded) so that JIT backends
+        compile before ``t_start``; `start`, if given, is called after that
+        (a barrier, so that timed runs start together). Returns a report:
+        pushes, batches, examples, bytes pushed, ``losses`` as ``(wall time,
+        loss, examples)``, ``staleness`` per push, start and end wall times,
+        ``server_s`` (seconds spent in push calls: transfer, waiting for the
+        round, applying) and ``push_s`` (each push call's seconds).
+        The worker unregisters at the end, also when it fails.
+        """
+        report = dict(worker=self.worker_id, pushes=0, batches=0, examples=0.0, bytes=0,
+                      duplicates=0, losses=[], staleness=[], compile_s=self.compile_seconds,
+                      server_s=0.0, push_s=[])
+        try:
+            if register:
+                self.version, values = self.server.register(self.worker_id)
+                self.seq = max(self.seq, self.server.next_seq(self.worker_id))
+            else:
+                self.version, values = self.server.pull()
+            self._set(values)
+            batches = (tuple(_aligned(a) for a in batch) for batch in batches)
+            first = next(batches, None)
+            if first is not None:       # JIT backends compile on the first call: not timed
+                self._step(*first)
+                self._read()
+                batches = itertools.chain([first], batches)
+            if start is not None:
+                start()
+            report["t_start"] = time.time()
+            window = 0
+            for batch in batches:
+                loss = self._step(*batch)
+                report["losses"].append((time.time(), float(loss), len(batch[0])))
+                report["batches"] += 1
+                window += 1
+                if window == self.accumulate:
+                    self._push(report)
+                    window = 0
+            if window:
+                self._push(report)
+            report["t_end"] = time.time()
+        finally:
+            if unregister:
+                try:
+                    self.server.unregister(self.worker_id)
+                except Exception:     # the server is gone: nothing to tell it
+                    pass
+        return report
+
+    def _push(self, report):
+        *grads, total = self._read()
+        grads = OrderedDict((n, np.asarray(g)) for n, g in zip(self.params, grads))  # no copy
+        start = time.perf_counter()
+        result = self.server.push(self.worker_id, self.seq, grads, weight=float(total),
+                                  version=self.version, pull=True)
+        elapsed = time.perf_counter() - start
+        report["server_s"] += elapsed
+        report["push_s"].append(elapsed)
+        self.seq += 1
+        report["pushes"] += 1
+        report["examples"] += float(total)
+        report["bytes"] += sum(np.asarray(g).nbytes for g in grads.values())
+        report["duplicates"] += bool(result["duplicate"])
+        if result["staleness"] is not None:
+            report["staleness"].append(result["staleness"])
+        self.version = result["version"]
+        self._set(result["params"])
+        return result

@@ -1,0 +1,181 @@
+"""The shard's round bookkeeping as plain Python: no PyTensor function is compiled here.
+
+Reference: a numpy SGD applied by hand (integer-valued gradients, exact).
+"""
+
+import numpy as np
+import pytest
+
+from lasagne_accum.distributed.checks import (
+    PushRejected,
+    RoundFailedError,
+    RoundTimeoutError,
+    ServerOptions,
+    StalePushError,
+    UnknownWorkerError,
+)
+from lasagne_accum.distributed.rounds import Rounds, Seen
+
+SPECS = {"w": ((2,), "float64")}
+
+
+class NumpySGD:
+    """``w -= factor * g``; a schedule may be given as ``lr(step)``."""
+
+    def __init__(self, lr=1.0, fail_at=None):
+        self.w = np.zeros(2)
+        self.lr, self.fail_at, self.calls = lr, fail_at, []
+
+    def factor(self, step, scale):
+        value = self.lr(step) if callable(self.lr) else self.lr
+        if not np.isfinite(value):
+            raise ValueError(f"learning-rate schedule returned {value} at step {step}")
+        return value * scale
+
+    def __call__(self, arrays, factor):
+        if self.fail_at is not None and len(self.calls) == self.fail_at:
+            raise FloatingPointError("simulated failure inside the apply function")
+        self.calls.append(factor)
+        self.w = self.w - factor * arrays[0]
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def book(mode="sync", apply=None, clock=None, **options):
+    apply = apply or NumpySGD()
+    return Rounds("w", SPECS, ServerOptions(mode=mode, **options), apply,
+                  clock=clock or Clock()), apply
+
+
+def push(rounds, wid, seq, g, weight=1.0, version=None):
+    version = rounds.version if version is None else version
+    ticket = rounds.check(wid, seq, version)
+    return rounds.commit(wid, seq, [np.asarray(g, float)], weight, version, ticket)
+
+
+def test_sync_round_closes_with_the_weighted_mean():
+    r, sgd = book()
+    for w in "ab":
+        r.register(w)
+    first = push(r, "a", 0, [1.0, 0.0], weight=1)
+    assert not first["applied"] and first["round"] == 0
+    second = push(r, "b", 0, [0.0, 4.0], weight=3)
+    assert second["applied"] and r.version == 1
+    np.testing.assert_array_equal(sgd.w, -np.array([1.0, 12.0]) / 4)
+    assert r.outcome(0)["workers"] == ["a", "b"] and r.outcome(0)["weight"] == 4.0
+
+
+def test_retries_are_duplicates_and_checks_change_nothing():
+    r, sgd = book(mode="async")
+    r.register("a")
+    assert push(r, "a", 0, [1.0, 1.0])["applied"]
+    again = push(r, "a", 0, [1.0, 1.0], version=0)
+    assert again["duplicate"] and not again["applied"]
+    with pytest.raises(PushRejected, match="version 5 does not exist"):
+        r.check("a", 1, 5)
+    with pytest.raises(UnknownWorkerError, match="'z' is not registered"):
+        r.check("z", 0, 0)
+    assert r.version == 1 and sgd.calls == [1.0] and r.counts["received"] == 1
+
+
+def test_sync_rejects_stale_and_second_push():
+    r, _ = book()
+    for w in "ab":
+        r.register(w)
+    push(r, "a", 0, [1.0, 1.0])
+    with pytest.raises(PushRejected, match="already pushed"):
+        r.check("a", 1, 0)
+    push(r, "b", 0, [1.0, 1.0])
+    with pytest.raises(StalePushError, match="open round is for version 1"):
+        r.check("a", 1, 0)
+
+
+def test_timeout_close_and_fail_with_a_clock():
+    clock = Clock()
+    r, sgd = book(round_timeout=2.0, clock=clock)
+    for w in ("a", "b", "dead"):
+        r.register(w)
+    push(r, "a", 0, [2.0, 0.0])
+    push(r, "b", 0, [0.0, 2.0])
+    clock.now = 1.9
+    assert r.outcome(0) is None and r.deadline() == pytest.approx(0.1)
+    clock.now = 2.0
+    result = r.outcome(0)
+    assert result["timed_out"] and result["dropped"] == ["dead"]
+    np.testing.assert_array_equal(sgd.w, [-1.0, -1.0])
+
+    r, sgd = book(round_timeout=2.0, on_timeout="fail", clock=clock)
+    clock.now = 0.0
+    for w in ("a", "dead"):
+        r.register(w)
+    push(r, "a", 0, [2.0, 0.0])
+    clock.now = 5.0
+    with pytest.raises(RoundTimeoutError, match="without a push from 'dead'"):
+        r.outcome(0)
+    assert r.version == 0 and sgd.calls == [] and list(r.live) == ["a"]
+    assert push(r, "a", 0, [2.0, 0.0])["applied"]          # the same seq may come again
+
+
+def test_a_failing_apply_fails_the_round_and_the_book_keeps_working():
+    """Issue 11 item 15: the round is discarded, its pushers get the error, nothing stays pending."""
+    r, sgd = book(apply=NumpySGD(lr=lambda step: np.nan if step == 1 else 1.0))
+    for w in "ab":
+        r.register(w)
+    push(r, "a", 0, [1.0, 1.0])
+    push(r, "b", 0, [1.0, 1.0])                              # round 0 applied
+    push(r, "a", 1, [5.0, 5.0])
+    closing = push(r, "b", 1, [5.0, 5.0])                    # round 1: the schedule gives NaN
+    assert not closing["applied"]
+    with pytest.raises(RoundFailedError, match="could not be applied.*nan"):
+        r.outcome(1)
+    assert r.version == 1 and not r.pending and r.counts["failed_rounds"] == 1
+    np.testing.assert_array_equal(sgd.w, [-1.0, -1.0])
+    assert r.stats()["live_workers"] == ["a", "b"]
+    sgd.lr = 0.5
+    push(r, "a", 1, [5.0, 5.0])                              # the same ids again: applied now
+    assert push(r, "b", 1, [5.0, 5.0])["applied"]
+    np.testing.assert_array_equal(sgd.w, [-3.5, -3.5])
+
+
+def test_async_apply_failure_is_an_error_and_nothing_is_recorded():
+    r, sgd = book(mode="async", apply=NumpySGD(fail_at=0))
+    r.register("a")
+    ticket = r.check("a", 0, 0)
+    with pytest.raises(RoundFailedError, match="nothing applied.*simulated failure"):
+        r.commit("a", 0, [np.ones(2)], 1.0, 0, ticket)
+    assert r.version == 0 and 0 not in r.seen["a"]
+    sgd.fail_at = None
+    assert push(r, "a", 0, [1.0, 1.0])["applied"]
+
+
+def test_applied_seqs_round_trip_through_counters():
+    r, _ = book(mode="async")
+    r.register("a")
+    r.register(7)
+    for seq in (0, 1, 2, 5):
+        push(r, "a", seq, [1.0, 1.0])
+    push(r, 7, 3, [1.0, 1.0])
+    counters, seqs = r.counters()
+    assert counters.tolist() == [5, 5] and seqs.dtype == np.uint8
+    fresh, _ = book(mode="async")
+    fresh.register("a")
+    fresh.load_counters(counters, Rounds.parse_seen(seqs, "test"))
+    assert fresh.version == 5
+    assert [s in fresh.seen["a"] for s in range(7)] == [True, True, True, False, False, True,
+                                                        False]
+    assert 3 in fresh.seen[7] and 2 not in fresh.seen[7]       # int ids stay ints
+    with pytest.raises(ValueError, match="malformed"):
+        Rounds.parse_seen(np.frombuffer(b"{nope", np.uint8), "test")
+
+
+def test_seen_compacts():
+    s = Seen()
+    for seq in [3, 0, 2, 1]:
+        s.add(seq)
+    assert s.floor == 3 and s.above == set()
