@@ -26,6 +26,8 @@ import numpy as np
 from numpy.lib import format as npy_format
 from pytensor.compile.sharedvalue import SharedVariable
 
+from .grads import as_host_array
+
 __all__ = ["save_state", "load_state", "collect_state", "save_arrays", "read_arrays"]
 
 FORMAT_VERSION = 2
@@ -109,12 +111,6 @@ def collect_state(*objects):
     ['w.adam_m', 'w.adam_v', 'w', 'adam.t']
     """
     return _collect(objects)[0]
-
-
-def _host(value):
-    if hasattr(value, "detach"):
-        value = value.detach().cpu().numpy()
-    return np.asarray(value)
 
 
 # ------------------------------------------------------------------ writing
@@ -284,7 +280,7 @@ def save_state(path, *objects):
             f"save_state(): {len(made_up)} variable(s) have no unique name and are saved "
             f"under order-dependent keys ({', '.join(made_up)}); load_state() refuses "
             "them. Give every shared variable a unique name.", UserWarning, stacklevel=2)
-    return save_arrays(path, OrderedDict((n, _host(v.get_value(borrow=True)))
+    return save_arrays(path, OrderedDict((n, as_host_array(v.get_value(borrow=True)))
                                          for n, v in named.items()))
 
 
@@ -503,7 +499,7 @@ def load_state(path, *objects, strict=True):
             "unique name (pytensor.shared(value, name=...)) and save again")
     expected = OrderedDict()
     for name, var in named.items():
-        current = _host(var.get_value(borrow=True))
+        current = as_host_array(var.get_value(borrow=True))
         expected[name] = (current.shape, current.dtype)
     arrays = read_arrays(path, expected, strict=strict)
     for name, value in arrays.items():

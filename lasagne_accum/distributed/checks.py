@@ -348,7 +348,3 @@ def learning_rate_kind(update_rule, rule_kwargs):
     return "number", value
 
 
-def rule_name(rule):
-    """A readable name of an update rule (a function, a partial, a callable object)."""
-    return getattr(rule, "__name__", None) or getattr(getattr(rule, "func", None),
-                                                      "__name__", repr(rule))

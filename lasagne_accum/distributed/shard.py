@@ -13,7 +13,6 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
 
 import numpy as np
 import pytensor
@@ -21,10 +20,11 @@ import pytensor.tensor as pt
 from pytensor.compile.sharedvalue import SharedVariable
 
 from ..state import collect_state
-from ..training import default_modes
+from ..backends import default_modes
+from ..grads import check_rule_updates
 from .checks import PushRejected, ServerOptions, ServerTimeoutError, check_grads, \
     check_seq, check_version, check_weight, check_worker_id, learning_rate_kind, \
-    named_params, param_specs, rule_name
+    named_params, param_specs
 from .rounds import Rounds
 
 __all__ = ["Shard", "ApplyFunction", "push_atomic"]
@@ -64,19 +64,9 @@ class ApplyFunction:
             rule_kwargs["learning_rate"] = self.base * factor
         else:
             rule_kwargs["learning_rate"] = factor
-        updates = update_rule(used, list(params.values()), **rule_kwargs)
-        name = rule_name(update_rule)
-        if not isinstance(updates, Mapping):
-            raise TypeError(f"update_rule {name} returned {type(updates).__name__}, not an "
-                            "update dictionary")
-        for n, p in params.items():
-            if p not in updates:
-                raise ValueError(f"update_rule {name} does not update parameter {n!r}")
+        updates = check_rule_updates(update_rule, used, list(params.values()), rule_kwargs)
         prefixes = tuple(f"{n}." for n in params)
         for i, var in enumerate(updates):
-            if not isinstance(var, SharedVariable):
-                raise TypeError(f"update_rule {name} returned a key {var!r} that is not a "
-                                "shared variable")
             if var.name in params and params[var.name] is var:
                 continue
             if not (var.name or "").startswith(prefixes):

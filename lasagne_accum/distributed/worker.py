@@ -1,7 +1,6 @@
 """The trainer side: a :class:`Worker` pulls, computes gradients, pushes; and what both runners share."""
 
 import itertools
-import numbers
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -10,7 +9,8 @@ import numpy as np
 import pytensor
 
 from ..accumulate import accumulate_gradients
-from ..training import default_modes
+from ..backends import default_modes
+from ..grads import check_int
 from .checks import check_worker_id, param_specs
 
 __all__ = ["Worker", "model_spec", "worker_lists", "raise_worker_errors"]
@@ -83,12 +83,9 @@ class Worker:
 
     def __init__(self, server, worker_id, build_model, *, accumulate=1, model_kwargs=None,
                  compile_mode=None):
-        if isinstance(accumulate, bool) or not isinstance(accumulate, numbers.Integral) \
-                or accumulate < 1:
-            raise ValueError(f"accumulate must be an integer >= 1, got {accumulate!r}")
         check_worker_id(worker_id)
         self.server, self.worker_id = server, worker_id
-        self.accumulate = int(accumulate)
+        self.accumulate = check_int(accumulate, "accumulate")
         start = time.perf_counter()
         inputs, loss, params, weight = model_spec(build_model(**dict(model_kwargs or {})))
         names = [p.name for p in params]
