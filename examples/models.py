@@ -14,10 +14,12 @@ shows only what it is about. Run any example with ``--help`` for its flags.
 """
 
 import argparse
+import contextlib
 import gzip
 import os
 import struct
 import sys
+import time
 
 import numpy as np
 import pytensor
@@ -29,6 +31,12 @@ from lasagne_accum.training import Progress
 OPTIMIZERS = ["sgd", "momentum", "nesterov_momentum", "adagrad", "rmsprop", "adadelta",
               "adam", "adamax", "amsgrad"]
 MODES = ["CVM", "NUMBA", "JAX", "PYTORCH", "FAST_RUN", "FAST_COMPILE"]
+
+
+#: PyTensor's Python implementations behind the usual graph rewrites: nothing
+#: is compiled. For functions called a few times (evaluating a test set once
+#: per epoch), where compiling would cost more than it saves.
+PYTHON_MODE = pytensor.compile.mode.Mode(linker="py", optimizer="fast_run").excluding("fusion")
 
 
 class DataError(Exception):
@@ -282,6 +290,37 @@ def rule_kwargs(name, lr, momentum=None):
 
 
 # -------------------------------------------------------------------- flags
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keep the description's line breaks; append ``(default: X)`` to each flag's help.
+
+    Flags whose default is None or False, or whose help already names its
+    default, are left as they are.
+    """
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (default is not None and default is not False and default is not argparse.SUPPRESS
+                and "default" not in text and action.option_strings):
+            text += " (default: %(default)s)"
+        return text
+
+
+def parser(doc):
+    """An ArgumentParser whose description is the example's docstring up to its usage lines."""
+    description = doc.strip().split("\n\n    python ")[0]
+    return argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+
+
+@contextlib.contextmanager
+def compiling(what):
+    """Say that `what` is compiling (on stderr, at once), then how long it took."""
+    print(f"compiling {what}...", end=" ", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    yield
+    print(f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
 
 def positive_int(text):
