@@ -191,14 +191,22 @@ class Experiment:
                     curve=curve, diverged=diverged)
 
 
+# one colour per row of ROWS; the dashed rows (4, 5, 7) dark, their solid partners light
+COLORS = ["tab:blue", "tab:orange", "tab:green", "black", "tab:purple", "tab:olive", "tab:red"]
+
+
 def plot(results, path):
     def draw(plt):
         for r in results:
             epochs = np.arange(1, len(r["curve"]) + 1)
             loss = np.array([c[1] for c in r["curve"]])
-            style = (dict(linestyle="--", linewidth=1.5) if r["kind"] == "cross"
-                     else dict(linewidth=3, alpha=0.6))
-            line, = plt.plot(epochs, loss, label=r["short"], **style)
+            # A dashed row usually lies exactly on a solid one: thin dashes with
+            # open circles in a dark colour, drawn on top of a wide pale band.
+            style = (dict(linestyle=(0, (4, 2)), linewidth=1.6, marker="o", markersize=6,
+                          markerfacecolor="white", markeredgewidth=1.5, zorder=3)
+                     if r["kind"] == "cross" else dict(linewidth=6, alpha=0.4, zorder=2))
+            line, = plt.plot(epochs, loss, label=r["short"], color=COLORS[r["number"] - 1],
+                             **style)
             if r["diverged"]:
                 last = r["diverged"] - 1
                 if last > 0:
@@ -207,9 +215,10 @@ def plot(results, path):
         plt.yscale("log")
         plt.xlabel("epoch")
         plt.ylabel("test loss (log scale)")
-        plt.title("Lasagne's momentum on 8x8 digits: batch 1 averaged over N (dashed)"
-                  "\nvs plain batches (solid); x: last finite loss before divergence",
-                  fontsize=10)
+        note = ("; x: last finite loss before divergence"
+                if any(r["diverged"] for r in results) else "")
+        plt.title("Lasagne's momentum on 8x8 digits: batch 1 averaged over N (dashed, o)"
+                  f"\nvs plain batches (wide bands){note}", fontsize=10)
         plt.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
 
     return models.save_plot(path, draw)

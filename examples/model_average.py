@@ -33,24 +33,30 @@ import models
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    p.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
-    p.add_argument("--batch-size", type=models.positive_int, default=8)
+    p = models.parser(__doc__)
+    p.add_argument("--model", choices=["cnn", "mlp"], default="cnn",
+                   help="the im2col CNN of models.py, or a one-hidden-layer MLP")
+    p.add_argument("--batch-size", type=models.positive_int, default=8,
+                   help="examples per mini-batch")
     p.add_argument("--accumulate", type=models.positive_int, default=2, metavar="N",
-                   help="mini-batches per optimizer step (default 2)")
-    p.add_argument("--optimizer", default="momentum", choices=models.OPTIMIZERS)
+                   help="mini-batches per optimizer step")
+    p.add_argument("--optimizer", default="momentum", choices=models.OPTIMIZERS,
+                   help="update rule")
     p.add_argument("--lr", type=models.positive_float, default=0.05,
-                   help="learning rate (default 0.05: large on purpose)")
-    p.add_argument("--momentum", type=models.unit_float, default=0.9)
-    p.add_argument("--ema-decay", type=models.unit_float, default=0.99)
-    p.add_argument("--epochs", type=models.positive_int, default=10)
+                   help="learning rate (large on purpose: a noisy last iterate)")
+    p.add_argument("--momentum", type=models.unit_float, default=0.9,
+                   help="momentum of momentum and nesterov_momentum")
+    p.add_argument("--ema-decay", type=models.unit_float, default=0.99,
+                   help="decay of the ExponentialMovingAverage, in [0, 1)")
+    p.add_argument("--epochs", type=models.positive_int, default=10, help="passes over the training set")
     p.add_argument("--train-size", type=models.positive_int, default=None,
-                   help="use the first N training examples only")
+                   help="use the first N training examples only (default: all)")
     p.add_argument("--mode", type=models.mode_name, default=None,
                    help="PyTensor mode of both functions; default: "
                         "lasagne_accum.training.default_modes()")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the initial parameters, the split and the order")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
 

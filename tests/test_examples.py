@@ -236,9 +236,45 @@ def test_model_average(capsys):
     assert "ModelAverage ahead of raw after" in out
 
 
-def test_mlp_digits():
+def test_mlp_digits(capsys):
     loss, acc = mlp_digits.main(["--epochs", "1", "--no-progress"])
     assert finite(loss, acc) and acc > 0.3
+    captured = capsys.readouterr()
+    assert re.search(r"^done in \d+\.\d s \(compiling included\)$", captured.out, re.M)
+    assert re.search(r"^compiling the accumulate \(\w+\) and apply \(\w+\) functions\.\.\. "
+                     r"\d+\.\d s$", captured.err, re.M)
+
+
+# ------------------------------------------------------------------- --help
+
+ALL_EXAMPLES = [cross_minibatch, digits_cnn, large_batch_small_memory, mlp_digits, model_average]
+
+
+@pytest.mark.parametrize("module", ALL_EXAMPLES, ids=lambda m: m.__name__)
+def test_help_describes_every_flag_with_its_default(module, monkeypatch):
+    import argparse
+
+    built = []
+    parse = argparse.ArgumentParser.parse_args
+
+    def spy(self, args=None, namespace=None):
+        built.append(self)
+        return parse(self, args, namespace)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", spy)
+    module.parse_args([])
+    parser = built[0]
+    summary = module.__doc__.strip().splitlines()[0]
+    assert parser.description.splitlines()[0] == summary and len(summary) > 20
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        text = formatter._get_help_string(action)
+        assert text and len(text) > 8, action.option_strings
+        if action.default is not None and action.default is not False:
+            assert "default" in text, (action.option_strings, text)
+    assert "default: " in parser.format_help()
 
 
 # ----------------------------------------------------------------- bad input

@@ -337,8 +337,8 @@ def run_dask(server, client, build_model, worker_batches, *, accumulate=1, model
             except Exception as exc:
                 errors.append((wid, exc))
         if errors:
-            wid, exc = errors[0]
-            raise RuntimeError(f"worker {wid!r} failed: {type(exc).__name__}: {exc}") from exc
+            wid, error = errors[0]
+            raise RuntimeError(f"worker {wid!r} failed: {type(error).__name__}: {error}") from error
         return reports, history
     finally:
         for f in futures:
