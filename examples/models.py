@@ -52,17 +52,33 @@ def load_digits(seed, test_fraction=0.25, dtype="float32"):
     Returns ``X_train, y_train, X_test, y_test``; images are flat rows of 64
     pixels, labels int64. The split is a permutation drawn from `seed`.
     """
-    try:
-        from sklearn.datasets import load_digits as sk_load_digits
-    except ImportError:
-        raise DataError("this example needs scikit-learn: pip install -e '.[examples]'")
-    data = sk_load_digits()
-    X = (data.data / 16.0).astype(dtype)
-    y = data.target.astype("int64")
+    raw = _bundled_digits()
+    X = (raw[:, :64] / 16.0).astype(dtype)
+    y = raw[:, 64].astype("int64")
     order = np.random.RandomState(seed).permutation(len(X))
     n_test = int(len(X) * test_fraction)
     test, train = order[:n_test], order[n_test:]
     return X[train], y[train], X[test], y[test]
+
+
+def _bundled_digits():
+    """scikit-learn's ``digits.csv.gz`` (1797 rows: 64 pixels 0..16, then the label).
+
+    Read straight from the installed package: importing scikit-learn itself
+    takes seconds, more than this file. Falls back to ``sklearn.datasets``.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("this example needs scikit-learn: pip install -e '.[examples]'")
+    for location in spec.submodule_search_locations:
+        path = os.path.join(location, "datasets", "data", "digits.csv.gz")
+        if os.path.exists(path):
+            return np.loadtxt(path, delimiter=",")
+    from sklearn.datasets import load_digits as sk_load_digits
+    data = sk_load_digits()
+    return np.column_stack([data.data, data.target])
 
 
 _IDX_TYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
