@@ -10,7 +10,7 @@ gradient accumulation (:func:`lasagne_accum.accumulate_gradients` and
 Lasagne's ``momentum`` on the accumulated gradients) and prints a table in the
 seed's format, one line per row::
 
-    control nodrop minibatch=5 x268 8 iters 0.230153 93.32 lr=0.0001 momentum=0.999
+    control nodrop minibatch=5 x268 8 iters 0.223322 92.87 lr=0.0001 momentum=0.999
 
 ``minibatch=1(5)`` is batch 1 averaged over 5 calls, ``x268`` the mini-batches
 per epoch, ``8 iters`` the epochs, then the test loss and the test accuracy in
@@ -58,7 +58,7 @@ ROWS = [
     ("cross", 1, 5, "large", 0.995),
 ]
 EPOCHS, LR = 20, 7e-5
-QUICK_EPOCHS, QUICK_LR = 8, 1e-4   # the seed's learning rate: diverges sooner
+QUICK_EPOCHS, QUICK_LR = 8, 1e-4   # the seed's learning rate
 # Every epoch uses the first multiple of the largest window of ALL rows (10) of
 # a fresh shuffle, so that the windows of batch 1(5) are exactly the batches of
 # batch 5, and the data of a row does not depend on which rows --rows selects.
@@ -88,8 +88,8 @@ def parse_args(argv=None):
     p.add_argument("--rows", default=None,
                    help=f"comma-separated row numbers to run, 1-based (default: all {len(ROWS)})")
     p.add_argument("--mode", type=models.mode_name, default=DEFAULT_MODE,
-                   help="PyTensor mode of the two training functions; Numba compiles this CNN "
-                        "several times faster than the C backend on a cold cache")
+                   help="PyTensor mode of the two training functions (Numba's batch-1 step "
+                        "of this CNN is faster than C's)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the initial parameters, the train/test split and the order")
     p.add_argument("--out", default="out", help="directory for the plot")
