@@ -46,7 +46,7 @@ _SLOW_TESTS = ("test_precision_million_float32_updates",)
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "real_backend: compile this test's functions with the backends it names "
-        "(by default the suite runs them with Python implementations, see tests/conftest.py)")
+        "(by default the suite runs them with Python implementations, see conftest.py at the repository root)")
 
 
 def pytest_collection_modifyitems(config, items):
