@@ -155,6 +155,7 @@ class Experiment:
             self.step(*example)       # Numba compiles on the first call; reset() undoes it
         with models.compiling(f"the momentum apply step ({args.mode})"):
             self.apply = pytensor.function([], [], updates=apply, mode=args.mode)
+            self.apply()              # the same (an empty window: changes nothing)
         self.step.trust_input = self.apply.trust_input = True   # batches have the right dtype
         self.evaluate = self.model.evaluator(models.PYTHON_MODE)
 
