@@ -9,6 +9,7 @@ this checkout.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -20,7 +21,7 @@ import pytest
 
 import lasagne_accum
 
-pytest.importorskip("build")
+pytest.importorskip("build", minversion="1.0")   # not a stray build/ directory
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
 
@@ -28,8 +29,13 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
+    # a copy of the checkout: setuptools writes build/ and *.egg-info next to the sources
+    src = tmp_path_factory.mktemp("src") / "lasagne_accum"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "_build", "generated",
+        "out", ".hypothesis"))
     proc = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--sdist", "--wheel",
-                           "--outdir", str(out), ROOT], capture_output=True, text=True,
+                           "--outdir", str(out), str(src)], capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     files = sorted(os.listdir(out))
