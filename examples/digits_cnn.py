@@ -37,32 +37,35 @@ import models
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    p.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
-    p.add_argument("--batch-size", type=models.positive_int, default=16)
+    p = models.parser(__doc__)
+    p.add_argument("--model", choices=["cnn", "mlp"], default="cnn",
+                   help="the im2col CNN of models.py, or a one-hidden-layer MLP")
+    p.add_argument("--batch-size", type=models.positive_int, default=16,
+                   help="examples per mini-batch (one call of the training function)")
     p.add_argument("--optimizer", default="nesterov_momentum", choices=models.OPTIMIZERS,
-                   help="update rule (default nesterov_momentum, as in mnist.py)")
+                   help="update rule, as in mnist.py")
     p.add_argument("--lr", type=models.positive_float, default=0.02,
-                   help="learning rate (default 0.02)")
+                   help="learning rate")
     p.add_argument("--momentum", type=models.unit_float, default=0.9,
-                   help="for momentum and nesterov_momentum (default 0.9)")
+                   help="momentum of momentum and nesterov_momentum")
     form = p.add_mutually_exclusive_group()
     form.add_argument("--accumulate", type=models.positive_int, default=1, metavar="N",
-                      help="two-function form: apply every N mini-batches (default 1)")
+                      help="two-function form: apply every N mini-batches")
     form.add_argument("--average", type=models.positive_int, default=1, metavar="N",
-                      help="single-function form: rule(..., average=N) (default 1)")
+                      help="single-function form: rule(..., average=N)")
     p.add_argument("--model-average", action="store_true",
                    help="also evaluate a ModelAverage of the parameters")
-    p.add_argument("--epochs", type=models.positive_int, default=10)
+    p.add_argument("--epochs", type=models.positive_int, default=10, help="passes over the training set")
     p.add_argument("--mnist", metavar="DIR", default=None,
                    help="read MNIST IDX files from DIR instead of the bundled digits")
     p.add_argument("--train-size", type=models.positive_int, default=None,
-                   help="use the first N training examples only")
+                   help="use the first N training examples only (default: all)")
     p.add_argument("--mode", type=models.mode_name, default=None,
                    help="PyTensor mode of every function (CVM, NUMBA, JAX...); default: "
                         "lasagne_accum.training.default_modes()")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the initial parameters, the split and the order")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
 

@@ -56,25 +56,27 @@ def n_list(text):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    p = models.parser(__doc__)
     p.add_argument("--n", type=n_list, default=[1, 2, 4, 8, 16], metavar="N1,N2,...",
-                   help="accumulation counts N to compare (default 1,2,4,8,16)")
+                   help="accumulation counts N to compare (default: 1,2,4,8,16)")
     p.add_argument("--batch-size", type=models.positive_int, default=64, metavar="B",
-                   help="mini-batch size B (default 64)")
+                   help="mini-batch size B")
     p.add_argument("--steps", type=models.positive_int, default=3,
-                   help="optimizer steps per N (default 3)")
-    p.add_argument("--optimizer", default="adam", choices=models.OPTIMIZERS)
-    p.add_argument("--lr", type=models.positive_float, default=1e-3)
-    p.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
+                   help="optimizer steps per N")
+    p.add_argument("--optimizer", default="adam", choices=models.OPTIMIZERS, help="update rule")
+    p.add_argument("--lr", type=models.positive_float, default=1e-3, help="learning rate")
+    p.add_argument("--model", choices=["cnn", "mlp"], default="cnn",
+                   help="the im2col CNN of models.py, or a one-hidden-layer MLP")
     p.add_argument("--dtype", choices=["float64", "float32"], default="float64",
-                   help="float64 (default) for the exactness check")
+                   help="float64 for the exactness check")
     p.add_argument("--mode", type=models.mode_name, default=None,
                    help="PyTensor mode of every function; default: "
                         "lasagne_accum.training.default_modes()")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="out", help="directory for the plot (default ./out)")
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the initial parameters and the data order")
+    p.add_argument("--out", default="out", help="directory for the plot")
+    p.add_argument("--no-plot", action="store_true", help="do not draw the memory plot")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
 

@@ -33,37 +33,46 @@ import models
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    p.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
-    p.add_argument("--batch-size", type=models.positive_int, default=8)
+    p = models.parser(__doc__)
+    p.add_argument("--model", choices=["cnn", "mlp"], default="cnn",
+                   help="the im2col CNN of models.py, or a one-hidden-layer MLP")
+    p.add_argument("--batch-size", type=models.positive_int, default=8,
+                   help="examples per mini-batch")
     p.add_argument("--accumulate", type=models.positive_int, default=2, metavar="N",
-                   help="mini-batches per optimizer step (default 2)")
-    p.add_argument("--optimizer", default="momentum", choices=models.OPTIMIZERS)
+                   help="mini-batches per optimizer step")
+    p.add_argument("--optimizer", default="momentum", choices=models.OPTIMIZERS,
+                   help="update rule")
     p.add_argument("--lr", type=models.positive_float, default=0.05,
-                   help="learning rate (default 0.05: large on purpose)")
-    p.add_argument("--momentum", type=models.unit_float, default=0.9)
-    p.add_argument("--ema-decay", type=models.unit_float, default=0.99)
-    p.add_argument("--epochs", type=models.positive_int, default=10)
+                   help="learning rate (large on purpose: a noisy last iterate)")
+    p.add_argument("--momentum", type=models.unit_float, default=0.9,
+                   help="momentum of momentum and nesterov_momentum")
+    p.add_argument("--ema-decay", type=models.unit_float, default=0.99,
+                   help="decay of the ExponentialMovingAverage, in [0, 1)")
+    p.add_argument("--epochs", type=models.positive_int, default=10, help="passes over the training set")
+    p.add_argument("--dtype", choices=["float64", "float32"], default="float64",
+                   help="model precision; float64 prints the same numbers on every machine")
     p.add_argument("--train-size", type=models.positive_int, default=None,
-                   help="use the first N training examples only")
+                   help="use the first N training examples only (default: all)")
     p.add_argument("--mode", type=models.mode_name, default=None,
                    help="PyTensor mode of both functions; default: "
                         "lasagne_accum.training.default_modes()")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the initial parameters, the split and the order")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
     try:
-        (X_train, y_train, X_test, y_test), side = models.load_data(None, args.seed)
+        (X_train, y_train, X_test, y_test), side = models.load_data(None, args.seed,
+                                                                    dtype=args.dtype)
     except models.DataError as exc:
         models.fail(str(exc))
     if args.train_size:
         X_train, y_train = X_train[:args.train_size], y_train[:args.train_size]
     start = time.perf_counter()
-    model = models.build_model(args.model, side, seed=args.seed)
+    model = models.build_model(args.model, side, seed=args.seed, dtype=args.dtype)
     x, params = model.x, model.params
     steps_per_epoch = -(-len(X_train) // (args.batch_size * args.accumulate))
 
@@ -80,9 +89,10 @@ def main(argv=None):
     apply.update(ema.updates)
     apply.update(reset)
     acc_mode, apply_mode = (args.mode, args.mode) if args.mode else default_modes()
-    step_fn = pytensor.function([model.x, model.y], model.loss, updates=accu, mode=acc_mode)
-    apply_fn = pytensor.function([], [], updates=apply, mode=apply_mode)
-    evaluate = model.evaluator(acc_mode)
+    with models.compiling(f"the accumulate ({acc_mode}) and apply ({apply_mode}) functions"):
+        step_fn = pytensor.function([model.x, model.y], model.loss, updates=accu, mode=acc_mode)
+        apply_fn = pytensor.function([], [], updates=apply, mode=apply_mode)
+        evaluate = model.evaluator(acc_mode)
 
     print(f"{args.model.upper()} on {len(X_train)} train / {len(X_test)} test digits; "
           f"{args.optimizer} lr={args.lr:g}, batch {args.batch_size} x accumulate "

@@ -14,10 +14,12 @@ shows only what it is about. Run any example with ``--help`` for its flags.
 """
 
 import argparse
+import contextlib
 import gzip
 import os
 import struct
 import sys
+import time
 
 import numpy as np
 import pytensor
@@ -29,6 +31,12 @@ from lasagne_accum.training import Progress
 OPTIMIZERS = ["sgd", "momentum", "nesterov_momentum", "adagrad", "rmsprop", "adadelta",
               "adam", "adamax", "amsgrad"]
 MODES = ["CVM", "NUMBA", "JAX", "PYTORCH", "FAST_RUN", "FAST_COMPILE"]
+
+
+#: PyTensor's Python implementations behind the usual graph rewrites: nothing
+#: is compiled. For functions called a few times (evaluating a test set once
+#: per epoch), where compiling would cost more than it saves.
+PYTHON_MODE = pytensor.compile.mode.Mode(linker="py", optimizer="fast_run").excluding("fusion")
 
 
 class DataError(Exception):
@@ -44,17 +52,33 @@ def load_digits(seed, test_fraction=0.25, dtype="float32"):
     Returns ``X_train, y_train, X_test, y_test``; images are flat rows of 64
     pixels, labels int64. The split is a permutation drawn from `seed`.
     """
-    try:
-        from sklearn.datasets import load_digits as sk_load_digits
-    except ImportError:
-        raise DataError("this example needs scikit-learn: pip install -e '.[examples]'")
-    data = sk_load_digits()
-    X = (data.data / 16.0).astype(dtype)
-    y = data.target.astype("int64")
+    raw = _bundled_digits()
+    X = (raw[:, :64] / 16.0).astype(dtype)
+    y = raw[:, 64].astype("int64")
     order = np.random.RandomState(seed).permutation(len(X))
     n_test = int(len(X) * test_fraction)
     test, train = order[:n_test], order[n_test:]
     return X[train], y[train], X[test], y[test]
+
+
+def _bundled_digits():
+    """scikit-learn's ``digits.csv.gz`` (1797 rows: 64 pixels 0..16, then the label).
+
+    Read straight from the installed package: importing scikit-learn itself
+    takes seconds, more than this file. Falls back to ``sklearn.datasets``.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("this example needs scikit-learn: pip install -e '.[examples]'")
+    for location in spec.submodule_search_locations:
+        path = os.path.join(location, "datasets", "data", "digits.csv.gz")
+        if os.path.exists(path):
+            return np.loadtxt(path, delimiter=",")
+    from sklearn.datasets import load_digits as sk_load_digits
+    data = sk_load_digits()
+    return np.column_stack([data.data, data.target])
 
 
 _IDX_TYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
@@ -282,6 +306,37 @@ def rule_kwargs(name, lr, momentum=None):
 
 
 # -------------------------------------------------------------------- flags
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keep the description's line breaks; append ``(default: X)`` to each flag's help.
+
+    Flags whose default is None or False, or whose help already names its
+    default, are left as they are.
+    """
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (default is not None and default is not False and default is not argparse.SUPPRESS
+                and "default" not in text and action.option_strings):
+            text += " (default: %(default)s)"
+        return text
+
+
+def parser(doc):
+    """An ArgumentParser whose description is the example's docstring up to its usage lines."""
+    description = doc.strip().split("\n\n    python ")[0]
+    return argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+
+
+@contextlib.contextmanager
+def compiling(what):
+    """Say that `what` is compiling (on stderr, at once), then how long it took."""
+    print(f"compiling {what}...", end=" ", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    yield
+    print(f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
 
 def positive_int(text):

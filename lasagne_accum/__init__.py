@@ -8,7 +8,7 @@ effective batch of N*B when only B fits in memory) in a two-function form
 every rule, :func:`with_accumulated_gradients`).
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from . import backends as _backends
 from . import updates

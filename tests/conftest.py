@@ -1,4 +1,9 @@
-"""Shared, generic fixtures for the lasagne_accum test suite."""
+"""Shared, generic fixtures for the lasagne_accum test suite.
+
+The compilation mode the tests (and the package's doctests) run in is set by
+``conftest.py`` at the repository root: read it before adding a test that is
+about one backend's generated code.
+"""
 
 import numpy as np
 import pytest

@@ -44,7 +44,8 @@ def finite(*values):
 def test_cross_minibatch_table(tmp_path, capsys):
     result = cross_minibatch.main(FAST + ["--model", "mlp", "--epochs", "2", "--train-size", "40",
                                           "--out", str(tmp_path)])
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out, err = captured.out, captured.err
     rows = ROW.findall(out)
     assert len(rows) == len(cross_minibatch.ROWS) == len(result["rows"])
     labels = {(kind, int(b), int(a or 1), float(m)) for kind, b, a, _, _, _, _, _, m in rows}
@@ -58,12 +59,14 @@ def test_cross_minibatch_table(tmp_path, capsys):
         assert int(epochs) == 2
         assert int(per_epoch) == 40 // int(b)            # 40 examples, a multiple of 10
         assert finite(float(loss), float(acc)) and 0 <= float(acc) <= 100
-    # batch 1 averaged over 5 = batch 5 (same windows), up to float32 rounding
-    assert re.search(r"^batch 1 averaged over 5 .* is within 1 accuracy point", out, re.M)
-    assert result["within_one_point"] is True
+    # batch 1 averaged over 5 = batch 5 (same windows), up to float64 rounding
+    assert re.search(r"^batch 1 averaged over 5 .* is within 1 accuracy point .* the same to "
+                     r"every printed digit$", out, re.M)
+    assert result["within_one_point"] is True and result["same_digits"] is True
     by = {(r["batch"], r["average"], r["momentum"]): r for r in result["rows"]}
     assert by[(1, 5, 0.999)]["test_loss"] == pytest.approx(by[(5, 1, 0.999)]["test_loss"],
-                                                           rel=1e-4)
+                                                           rel=1e-10)
+    assert re.search(r"^compiling the accumulate step \(CVM\)\.\.\. \d+\.\d s$", err, re.M)
     assert os.path.getsize(tmp_path / "cross_minibatch.png") > 1000
 
 
@@ -75,6 +78,11 @@ def test_cross_minibatch_quick_defaults():
     args = cross_minibatch.parse_args([])
     assert (args.epochs, args.lr) == (cross_minibatch.EPOCHS, cross_minibatch.LR)
     assert cross_minibatch.parse_args(["--rows", "4,1"]).rows == [4, 1]
+    # the data split does not depend on the rows chosen: every epoch uses the
+    # first multiple of the largest window of all rows (10)
+    for rows in ("1", "2,3", "4,1", "5"):
+        assert cross_minibatch.parse_args(["--rows", rows]).multiple == 10
+    assert cross_minibatch.parse_args([]).multiple == 10
 
 
 def test_cross_minibatch_decimal():
@@ -228,9 +236,45 @@ def test_model_average(capsys):
     assert "ModelAverage ahead of raw after" in out
 
 
-def test_mlp_digits():
+def test_mlp_digits(capsys):
     loss, acc = mlp_digits.main(["--epochs", "1", "--no-progress"])
     assert finite(loss, acc) and acc > 0.3
+    captured = capsys.readouterr()
+    assert re.search(r"^done in \d+\.\d s \(compiling included\)$", captured.out, re.M)
+    assert re.search(r"^compiling the accumulate \(\w+\) and apply \(\w+\) functions\.\.\. "
+                     r"\d+\.\d s$", captured.err, re.M)
+
+
+# ------------------------------------------------------------------- --help
+
+ALL_EXAMPLES = [cross_minibatch, digits_cnn, large_batch_small_memory, mlp_digits, model_average]
+
+
+@pytest.mark.parametrize("module", ALL_EXAMPLES, ids=lambda m: m.__name__)
+def test_help_describes_every_flag_with_its_default(module, monkeypatch):
+    import argparse
+
+    built = []
+    parse = argparse.ArgumentParser.parse_args
+
+    def spy(self, args=None, namespace=None):
+        built.append(self)
+        return parse(self, args, namespace)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", spy)
+    module.parse_args([])
+    parser = built[0]
+    summary = module.__doc__.strip().splitlines()[0]
+    assert parser.description.splitlines()[0] == summary and len(summary) > 20
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        text = formatter._get_help_string(action)
+        assert text and len(text) > 8, action.option_strings
+        if action.default is not None and action.default is not False:
+            assert "default" in text, (action.option_strings, text)
+    assert "default: " in parser.format_help()
 
 
 # ----------------------------------------------------------------- bad input

@@ -1,0 +1,79 @@
+"""The compilation mode of the test suite and the doctests (pytest loads this first).
+
+Most of the suite checks numbers (a rule against its numpy re-derivation, one
+accumulation form against another). Those checks do not depend on the backend
+that runs the graph, but compiling dominates their cost: PyTensor's C backend
+runs the C++ compiler for every new graph and Numba JIT-compiles every new
+graph, seconds each on a cold cache. So every test runs in ``CHEAP_MODE``
+(PyTensor's Python ``perform`` implementations behind the same ``fast_run``
+graph rewrites as the C backend: nothing is compiled) unless
+
+* it lives in ``tests/test_backends.py``, the cross-backend module that
+  compiles for real under C, Numba, JAX and PyTorch and compares them, or
+* it is marked ``@pytest.mark.real_backend`` (for a test about one backend's
+  generated code, say a C-only graph rewrite), or
+* the environment sets ``LASAGNE_ACCUM_TEST_MODE=real`` (the whole suite on
+  the backends the tests name: slow on a cold cache, the check before a
+  release).
+
+The swap is done by pointing the mode names ``"CVM"``, ``"C"``, ``"NUMBA"``,
+``"FAST_COMPILE"`` and the default mode (``mode=None``) at ``CHEAP_MODE`` for
+the duration of each test; a test that passes a ``Mode`` object, ``"JAX"`` or
+``"PYTORCH"`` keeps it.
+"""
+
+import os
+
+import pytensor
+import pytest
+from pytensor.compile import mode as _pt_mode
+
+#: Python linker (``perform`` of each Op, nothing compiled) behind the C
+#: backend's rewrites (``fast_run``: the same in-place graph), without
+#: elementwise fusion: a fused ``Composite`` runs its scalar graph per element
+#: in Python, while unfused elementwise ops are single numpy calls.
+CHEAP_MODE = _pt_mode.Mode(linker="py", optimizer="fast_run").excluding("fusion")
+_SWAPPED = ("CVM", "C", "NUMBA", "FAST_COMPILE")
+_REAL_MODULES = ("test_backends.py",)
+#: Tests that call one small function a great many times: Python ``perform``
+#: costs more per call than compiling once (a million calls in the first).
+_REAL_TESTS = ("test_precision_million_float32_updates",)
+#: Tests left out of the quick development subset (``pytest -m "not slow"``)
+#: besides those marked ``@pytest.mark.slow`` in their module.
+_SLOW_TESTS = ("test_precision_million_float32_updates",)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "real_backend: compile this test's functions with the backends it names "
+        "(by default the suite runs them with Python implementations, see conftest.py at the repository root)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if getattr(item, "originalname", item.name) in _SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
+
+
+def _wants_real_backend(request):
+    if os.environ.get("LASAGNE_ACCUM_TEST_MODE", "").lower() == "real":
+        return True
+    node = request.node
+    if node.get_closest_marker("real_backend") is not None:
+        return True
+    if getattr(node, "originalname", node.name) in _REAL_TESTS:
+        return True
+    return os.path.basename(str(getattr(node, "fspath", ""))) in _REAL_MODULES
+
+
+@pytest.fixture(autouse=True)
+def _cheap_compile_mode(request, monkeypatch):
+    """Run the test's functions in ``CHEAP_MODE`` (see the module docstring)."""
+    if _wants_real_backend(request):
+        yield
+        return
+    for name in _SWAPPED:
+        monkeypatch.setitem(_pt_mode.predefined_modes, name, CHEAP_MODE)
+    monkeypatch.setitem(_pt_mode._CACHED_RUNTIME_MODES,
+                        ("MODE", pytensor.config.linker), CHEAP_MODE)
+    yield
