@@ -29,7 +29,8 @@ import importlib.abc
 import importlib.util
 import sys
 
-__all__ = ["register_c_fixes", "register_jax_fixes", "register_pytorch_fixes"]
+__all__ = ["register_c_fixes", "register_jax_fixes", "register_pytorch_fixes",
+           "register_numba_fixes"]
 
 _registered = set()
 
@@ -117,7 +118,15 @@ def register_pytorch_fixes():
     _registered.add("pytorch")
 
 
+def register_numba_fixes():
+    """Register the Numba fast paths of :mod:`lasagne_accum.fast_ops` (idempotent; imports numba)."""
+    from .fast_ops import register_numba_gemm
+
+    register_numba_gemm()
+
+
 _FIXES = {
+    "pytensor.link.numba.dispatch": register_numba_fixes,
     "pytensor.link.jax.dispatch": register_jax_fixes,
     "pytensor.link.pytorch.dispatch": register_pytorch_fixes,
 }
@@ -154,7 +163,10 @@ class _FixingLoader(importlib.abc.Loader):
 
 def install():
     """Apply each backend's fixes now if its dispatch is loaded, else when it loads."""
+    from .fast_ops import register_numba_gemm_rewrite
+
     register_c_fixes()
+    register_numba_gemm_rewrite()
     pending = False
     for module, fix in _FIXES.items():
         if module in sys.modules:
