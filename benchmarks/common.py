@@ -232,13 +232,7 @@ class Worker:
         self.meta = None
 
     def read(self):
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"worker {self.name} exited early (rc={self.proc.wait()}); "
-                                   "see its log")
-            if line.startswith(PROTO):
-                return json.loads(line[len(PROTO):])
+        return read_proto(self.proc, self.name)
 
     def ready(self):
         """Wait until the worker has compiled and warmed up; returns its metadata."""
@@ -254,6 +248,16 @@ class Worker:
         if self.proc.poll() is None:
             self.proc.stdin.close()
             self.proc.wait()
+
+
+def read_proto(proc, name="worker"):
+    """The next protocol message from a worker process's stdout."""
+    while True:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{name} exited early (rc={proc.wait()}); see its log")
+        if line.startswith(PROTO):
+            return json.loads(line[len(PROTO):])
 
 
 def worker_io():

@@ -120,9 +120,10 @@ def register_pytorch_fixes():
 
 def register_numba_fixes():
     """Register the Numba fast paths of :mod:`lasagne_accum.fast_ops` (idempotent; imports numba)."""
-    from .fast_ops import register_numba_gemm
+    from .fast_ops import register_numba_gemm, register_numba_lazy_step
 
     register_numba_gemm()
+    register_numba_lazy_step()
 
 
 _FIXES = {
@@ -163,10 +164,11 @@ class _FixingLoader(importlib.abc.Loader):
 
 def install():
     """Apply each backend's fixes now if its dispatch is loaded, else when it loads."""
-    from .fast_ops import register_numba_gemm_rewrite
+    from .fast_ops import register_lazy_step_rewrite, register_numba_gemm_rewrite
 
     register_c_fixes()
     register_numba_gemm_rewrite()
+    register_lazy_step_rewrite()
     pending = False
     for module, fix in _FIXES.items():
         if module in sys.modules:
