@@ -20,6 +20,10 @@
   TorchDynamo hands it a Python scalar. Each breaks some rule: bias
   corrections (``beta ** t``), step counters and window conditions, shapes.
 
+* Numba and C fast paths (:mod:`lasagne_accum.fast_ops`): ``acc + dot(a, b)``
+  as an in-place BLAS gemm in the Numba backend, and the single-function
+  form's step as an op that runs the rule in place only on stepping calls.
+
 The fixes are registered on PyTensor's own dispatchers, and only once PyTensor
 imports the backend's dispatch module: importing this library never imports
 jax or torch.

@@ -12,8 +12,27 @@
   the ``sgemm``/``dgemm`` of scipy's BLAS (the library Numba's own ``np.dot``
   calls), writing into the buffer.
 
-Both are registered by :func:`lasagne_accum.backends.install` when the library
-is imported (the Numba part once PyTensor loads its Numba dispatch).
+* **A lazy step that costs nothing.** The single-function form
+  (``average=N``) selects the rule's new values with
+  ``ifelse(keep, states, new_values)``. PyTensor's ``IfElse`` copies the
+  branch it returns when that is the new values (C), and the Numba backend
+  computes both branches on every call. :func:`register_lazy_step_rewrite`
+  turns that ``IfElse`` (its unchanged branch being updated shared variables)
+  into :class:`LazyStep`, an op that holds the nodes feeding only the new
+  values as an inner graph, runs it only when the step happens, and writes the
+  results into the state buffers themselves (the inner graph is compiled with
+  the states as mutable inputs, so the rule runs in place). C modes: the op's
+  thunk calls the inner graph compiled by PyTensor's Numba backend (its
+  elementwise loops are the faster ones; C when numba is missing); Numba: the
+  inner function sits behind an ``if`` in the compiled code
+  (:func:`register_numba_lazy_step`). JAX and PyTorch keep the ``IfElse``.
+
+All are registered by :func:`lasagne_accum.backends.install` when the library
+is imported (the Numba implementations once PyTensor loads its Numba dispatch).
+Each rewrite can be left out by name, to compare:
+``get_mode("NUMBA").excluding("lasagne_accum_numba_gemm",
+"lasagne_accum_lazy_step_numba")``, ``get_mode("CVM").excluding(
+"lasagne_accum_lazy_step_c")``.
 """
 
 import hashlib

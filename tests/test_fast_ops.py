@@ -201,3 +201,97 @@ def test_gemm_rewrite_is_numba_only():
     acc = pytensor.shared(np.zeros((3, 3)), name="acc")
     f = pytensor.function([x], [], updates={acc: acc + x @ x}, mode="FAST_COMPILE")
     assert not _gemm_nodes(f)
+
+
+# --------------------------------------------------------------------------
+# LazyStep: the single-function form's rule runs in place, on stepping calls only
+# --------------------------------------------------------------------------
+PLAIN_LAZY = ("lasagne_accum_lazy_step_c", "lasagne_accum_lazy_step_numba")
+
+
+def _adam_reference(W0, batches, every, lr, b1=0.9, b2=0.999, eps=1e-8):
+    """numpy: mean gradient of `every` calls of 0.5 * ||x W - y||^2, then Lasagne's adam."""
+    W, m, v, t, window = W0.astype(np.float64), 0.0, 0.0, 0, []
+    trace = []
+    for x, y in batches:
+        x, y = x.astype(np.float64), y.astype(np.float64)
+        window.append(x.T @ (x @ W - y))
+        if len(window) == every:
+            g = sum(window) / every
+            window = []
+            t += 1
+            a = lr * np.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+            m = b1 * m + (1 - b1) * g
+            v = b2 * v + (1 - b2) * g ** 2
+            W = W - a * m / (np.sqrt(v) + eps)
+        trace.append(W)
+    return trace
+
+
+def _lazy_model(dtype, mode, lazy_rewrite=True):
+    W = pytensor.shared(np.linspace(-1, 1, 12).reshape(4, 3).astype(dtype), name="W")
+    x = pt.matrix("x", dtype=dtype)
+    y = pt.matrix("y", dtype=dtype)
+    loss = 0.5 * ((x @ W - y) ** 2).sum()
+    upd = la.adam(loss, [W], learning_rate=0.05, average=3)
+    m = get_mode(mode) if lazy_rewrite else get_mode(mode).excluding(*PLAIN_LAZY)
+    return W, pytensor.function([x, y], loss, updates=upd, mode=m)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lazy_step_replaces_ifelse_and_is_exact(dtype, mode):
+    rng = np.random.default_rng(5)
+    batches = [(rng.standard_normal((5, 4)).astype(dtype),
+                rng.standard_normal((5, 3)).astype(dtype)) for _ in range(7)]
+    W, f = _lazy_model(dtype, mode)
+    ops = {type(n.op).__name__ for n in f.maker.fgraph.toposort()}
+    assert "LazyStep" in ops and "IfElse" not in ops
+    W_plain, f_plain = _lazy_model(dtype, mode, lazy_rewrite=False)
+    assert "IfElse" in {type(n.op).__name__ for n in f_plain.maker.fgraph.toposort()}
+    want = _adam_reference(W.get_value(), batches, 3, 0.05)
+    address = W.get_value(borrow=True).ctypes.data
+    for i, (xb, yb) in enumerate(batches):
+        before = W.get_value()
+        f(xb, yb)
+        f_plain(xb, yb)
+        got = W.get_value(borrow=True)
+        assert got.dtype == dtype
+        assert got.ctypes.data == address  # stepping calls write into W's own buffer
+        if (i + 1) % 3:
+            assert np.array_equal(got, before)  # no step: nothing changed
+        _close(got, want[i], dtype, tol=1e-5 if dtype == "float32" else 1e-12)
+        _close(got, W_plain.get_value(), dtype)  # the same as PyTensor's IfElse
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lazy_step_op_on_its_own(dtype):
+    """LazyStep's C-thunk path (perform) and the Numba one, against numpy, both branches."""
+    from pytensor.graph.fg import FunctionGraph
+
+    from lasagne_accum.fast_ops import LazyStep
+
+    s_in, g_in = pt.vector(dtype=dtype), pt.vector(dtype=dtype)
+    op = LazyStep(FunctionGraph([s_in, g_in], [s_in * 0.5 - g_in], clone=False), 1)
+    for mode in MODES:
+        state = pytensor.shared(np.arange(4.0).astype(dtype), name="s")
+        cond = pt.scalar("c", dtype="bool")
+        g = pt.vector("g", dtype=dtype)
+        f = pytensor.function([cond, g], [], updates={state: op(cond, state, g)}, mode=mode,
+                              accept_inplace=True)
+        gv = np.full(4, 0.25, dtype)
+        f(False, gv)
+        np.testing.assert_array_equal(state.get_value(), np.arange(4.0))
+        f(True, gv)
+        _close(state.get_value(), np.arange(4.0) * 0.5 - 0.25, dtype, what=mode)
+
+
+def test_lazy_step_is_c_and_numba_only():
+    jax = pytest.importorskip("jax")  # noqa: F841
+    W, _ = _lazy_model("float64", "CVM")
+    x = pt.matrix("x")
+    y = pt.matrix("y")
+    loss = 0.5 * ((x @ W - y) ** 2).sum()
+    f = pytensor.function([x, y], loss, updates=la.adam(loss, [W], 0.05, average=3), mode="JAX")
+    ops = {type(n.op).__name__ for n in f.maker.fgraph.toposort()}
+    assert "LazyStep" not in ops and "IfElse" in ops
