@@ -23,6 +23,7 @@ TABLE_ROW = {
     "accumulation.py": r"^ ?1 accumulate / fastest fwd-bwd\s+([\d.]+)",
     "backends.py": r"^numba\s+float32\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)",
     "distributed.py": r"\|\s*([\d.]+)\s*\|",
+    "inplace.py": r"^NUMBA\s+float32\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)",
     "peers.py": r"^\s+1\s+([\d.]+)\s+([\d.]+)",
     "single_function.py": r"^NUMBA\s+([\d.]+)\s+([\d.]+)\s+lazy",
 }
