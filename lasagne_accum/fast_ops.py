@@ -338,9 +338,17 @@ def _make_lazy_step_class():
             cond, args = inputs[0], inputs[1:]
             states = args[:self.n_states]
             if cond:
-                for s, new in zip(states, self.inner_function()(*args)):
-                    if new.__array_interface__["data"][0] != s.__array_interface__["data"][0]:
-                        np.copyto(s, new)
+                new = list(self.inner_function()(*args))
+                address = [s.__array_interface__["data"][0] for s in states]
+                # in place, the inner graph may have written state i's new value into
+                # state j's buffer: take those values aside before any store
+                for i, v in enumerate(new):
+                    at = v.__array_interface__["data"][0]
+                    if at != address[i] and at in address:
+                        new[i] = v.copy()
+                for s, v, at in zip(states, new, address):
+                    if v.__array_interface__["data"][0] != at:
+                        np.copyto(s, v)
             for out, s in zip(output_storage, states):
                 out[0] = s
 
@@ -457,6 +465,15 @@ def register_numba_lazy_step():
     )
 
     @numba_basic.numba_njit
+    def aside(value, own, addresses):
+        at = value.ctypes.data
+        if at != own.ctypes.data:
+            for other in addresses:
+                if other == at:
+                    return value.copy()
+        return value
+
+    @numba_basic.numba_njit
     def store0(dst, src):
         if dst.ctypes.data != src.ctypes.data:
             dst[()] = src[()]
@@ -480,16 +497,22 @@ def register_numba_lazy_step():
             fgraph, squeeze_output=False, fgraph_name="lazy_step_inner", **kwargs)
         n = op.n_states
         args = [f"a{i}" for i in range(len(fgraph.inputs))]
+        # in place, the inner graph may have written state i's new value into state
+        # j's buffer: take those values aside (aside) before any store
+        asides = "\n".join(f"        n{i} = aside(new[{i}], a{i}, addresses)" for i in range(n))
         stores = "\n".join(f"        store{'0' if fgraph.inputs[i].type.ndim == 0 else ''}"
-                           f"(a{i}, new[{i}])" for i in range(n))
+                           f"(a{i}, n{i})" for i in range(n))
         returns = ", ".join(args[:n]) + ("," if n == 1 else "")
+        addresses = ", ".join(f"a{i}.ctypes.data" for i in range(n)) + ("," if n == 1 else "")
         src = (f"def lazy_step(cond, {', '.join(args)}):\n"
                f"    if cond:\n"
                f"        new = inner({', '.join(args)})\n"
+               f"        addresses = ({addresses})\n"
+               f"{asides}\n"
                f"{stores}\n"
                f"    return {args[0] if n == 1 else returns}\n")
         fn = numba_basic.numba_njit(compile_numba_function_src(
-            src, "lazy_step", {"inner": inner, "store": store, "store0": store0}))
+            src, "lazy_step", {"inner": inner, "store": store, "store0": store0, "aside": aside}))
         key = None if inner_key is None else sha256(
             str(("lasagne_accum.LazyStep", n, inner_key, _SOURCE_KEY)).encode()).hexdigest()
         return fn, key
