@@ -189,6 +189,8 @@ def have_module(name):
 def thread_env(threads, env=None):
     """Environment pinning every library's thread pool to `threads` (0: unchanged)."""
     env = dict(os.environ if env is None else env)
+    # idle OpenMP threads sleep instead of spinning: the workers take turns on the CPUs
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if threads:
         for var in THREAD_VARS:
             env[var] = str(threads)
