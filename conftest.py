@@ -8,7 +8,9 @@ graph, seconds each on a cold cache. So every test runs in ``CHEAP_MODE``
 (PyTensor's Python ``perform`` implementations behind the same ``fast_run``
 graph rewrites as the C backend: nothing is compiled) unless
 
-* it lives in ``tests/test_backends.py``, the cross-backend module that
+* it lives in ``tests/test_fast_ops.py`` (the in-place Gemm and LazyStep
+  rewrites of the C and Numba backends) or ``tests/test_backends.py``, the
+  cross-backend module that
   compiles for real under C, Numba, JAX and PyTorch and compares them, or
 * it is marked ``@pytest.mark.real_backend`` (for a test about one backend's
   generated code, say a C-only graph rewrite), or
@@ -34,7 +36,7 @@ from pytensor.compile import mode as _pt_mode
 #: in Python, while unfused elementwise ops are single numpy calls.
 CHEAP_MODE = _pt_mode.Mode(linker="py", optimizer="fast_run").excluding("fusion")
 _SWAPPED = ("CVM", "C", "NUMBA", "FAST_COMPILE")
-_REAL_MODULES = ("test_backends.py",)
+_REAL_MODULES = ("test_backends.py", "test_fast_ops.py")
 #: Tests that call one small function a great many times: Python ``perform``
 #: costs more per call than compiling once (a million calls in the first).
 _REAL_TESTS = ("test_precision_million_float32_updates",)

@@ -56,13 +56,12 @@ T_START = time.perf_counter()
 HERE = os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from backends import PROTO, openblas_threads, read_proto  # noqa: E402  (no heavy imports)
-from common import BATCH, SIZES  # noqa: E402
+from common import (  # noqa: E402  (no heavy imports)
+    BATCH, PROTO, SIZES, THREAD_VARS, openblas_threads, per_call, read_proto, worker_io,
+)
 
 DTYPES = ("float32", "float64")
 MEM_NS = (1, 2, 4, 8, 16)
-THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-               "NUMBA_NUM_THREADS")
 TARGETS = {"acc/fb": 0.85, "acc/torch": 1.0, "apply/torch": 1.0, "apply/acc": 0.25,
            "acc/naive": 1.0, "mem_flat": 0.10}
 
@@ -70,17 +69,6 @@ TARGETS = {"acc/fb": 0.85, "acc/torch": 1.0, "apply/torch": 1.0, "apply/acc": 0.
 # --------------------------------------------------------------------------
 # helpers (run in the workers)
 # --------------------------------------------------------------------------
-def per_call(fn, n, args=()):
-    """Per-call wall times (s) of n back-to-back calls."""
-    clock = time.perf_counter
-    out = [0.0] * n
-    for i in range(n):
-        t0 = clock()
-        fn(*args)
-        out[i] = clock() - t0
-    return out
-
-
 def shared_inputs(*fns):
     from pytensor.compile.sharedvalue import SharedVariable
 
@@ -137,14 +125,6 @@ def traced_call(fn, repeat=10):
     finally:
         tracemalloc.stop()
     return max(peaks), max(nets)
-
-
-def worker_io():
-    """Keep the protocol channel clean of library chatter: fd 1 -> stderr."""
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    return proto
 
 
 def set_torch_threads(args):
@@ -328,18 +308,19 @@ def profile_trainer(args):
 def worker_torch(args):
     import torch
 
-    from common import batch
+    from common import batch, torch_mlp
 
     proto = worker_io()
     n_threads = set_torch_threads(args)
     meta = {"torch": torch.__version__, "torch_threads": n_threads,
             "openblas_threads": openblas_threads(), "mkl": torch.backends.mkl.is_available()}
-    params, x, y = torch_model(torch, "float32")
+    params, loss_fn = torch_mlp("float32")
+    x, y = batch("float32")
     opt = torch.optim.Adam(params, lr=1e-3)
     x, y = torch.from_numpy(x), torch.from_numpy(y)
 
     def accumulate():
-        loss = torch_loss(torch, params, x, y)
+        loss = loss_fn(params, x, y)
         loss.backward()  # adds into .grad (no zero_grad between batches)
         return loss.detach()
 
@@ -369,27 +350,6 @@ def worker_torch(args):
         proto.write(PROTO + json.dumps({"result": {
             "float32/torch-acc": statistics.median(a),
             "float32/torch-apply": statistics.median(p)}}) + "\n")
-
-
-def torch_model(torch, dtype):
-    """The common.mlp model (same initial values and batch) as torch tensors."""
-    import numpy as np
-
-    from common import batch
-
-    rng = np.random.RandomState(0)
-    n_in, n_hidden, n_out = SIZES
-    init = [(rng.randn(n_in, n_hidden) * 0.05).astype(dtype), np.zeros(n_hidden, dtype),
-            (rng.randn(n_hidden, n_out) * 0.05).astype(dtype), np.zeros(n_out, dtype)]
-    params = [torch.tensor(p, requires_grad=True) for p in init]
-    x, y = batch(dtype)
-    return params, x, y
-
-
-def torch_loss(torch, params, x, y):
-    W1, b1, W2, b2 = params
-    h = torch.relu(x @ W1 + b1)
-    return torch.nn.functional.cross_entropy(h @ W2 + b2, y)
 
 
 # --------------------------------------------------------------------------

@@ -1,18 +1,17 @@
 """Which PyTensor backend should ``lasagne_accum`` use by default?
 
 Measures, side by side in one run, the per-call time of the three kinds of
-compiled functions the library produces, for a 784-512-10 ReLU MLP with
-softmax cross-entropy (batch 64, random data from ``numpy.random.RandomState``),
-in float32 and float64:
+compiled functions the library produces, for the 784-512-10 ReLU MLP of
+``common.mlp`` (mean cross-entropy, batch 64, ``common.batch``), in float32
+and float64, built with the library itself:
 
 1. ``fwd-bwd``    -- ``pytensor.function([x, y], grads)`` (gradients of the loss
                      w.r.t. W1, b1, W2, b2 returned as outputs);
-2. ``accumulate`` -- ``pytensor.function([x, y], loss,
-                     updates={acc: acc + grad})`` into shared accumulators
-                     (plus a shared step counter);
-3. ``adam apply`` -- ``pytensor.function([], [], updates=...)``: a Lasagne-style
-                     Adam step on ``acc / count`` that also resets the
-                     accumulators and the counter to zero.
+2. ``accumulate`` -- ``pytensor.function([x, y], loss, updates=acc.accumulate)``
+                     with ``acc = lasagne_accum.accumulate_gradients(loss, params)``;
+3. ``adam apply`` -- ``pytensor.function([], [], updates=apply)`` with
+                     ``apply = acc.guard(lasagne_accum.adam(acc.grads, params, 1e-3))``
+                     plus ``acc.reset``.
 
 Backend configurations (each in its own, persistent, worker process):
 
@@ -54,8 +53,6 @@ and compare the median table with the best-round lines.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import glob
 import json
 import os
 import statistics
@@ -64,11 +61,14 @@ import sys
 import time
 
 HERE = os.path.abspath(__file__)
-SEED = 1234
-BATCH, N_IN, N_HID, N_OUT = 64, 784, 512, 10
+sys.path.insert(0, os.path.dirname(HERE))
+
+from common import (  # noqa: E402  (no heavy imports)
+    PROTO, batch, have_module, load_average, openblas_threads, per_call, read_proto,
+)
+
 DTYPES = ("float32", "float64")
 KINDS = ("fwd-bwd", "accumulate", "adam")
-PROTO = "@@BENCH "  # prefix of protocol lines on a worker's stdout
 
 CONFIGS = {
     "numba": {"mode": "NUMBA", "flags": ""},
@@ -77,52 +77,6 @@ CONFIGS = {
     "jax": {"mode": "JAX", "flags": ""},
     "torch": {"mode": None, "flags": ""},
 }
-
-
-# --------------------------------------------------------------------------
-# helpers shared by workers
-# --------------------------------------------------------------------------
-def make_data(dtype):
-    import numpy as np
-
-    rng = np.random.RandomState(SEED)
-
-    def glorot(n_in, n_out):
-        lim = np.sqrt(6.0 / (n_in + n_out))
-        return rng.uniform(-lim, lim, size=(n_in, n_out)).astype(dtype)
-
-    params = [
-        glorot(N_IN, N_HID),
-        np.zeros(N_HID, dtype=dtype),
-        glorot(N_HID, N_OUT),
-        np.zeros(N_OUT, dtype=dtype),
-    ]
-    x = rng.standard_normal((BATCH, N_IN)).astype(dtype)
-    y = rng.randint(0, N_OUT, size=BATCH).astype("int32")
-    return params, x, y
-
-
-def openblas_threads():
-    """Thread counts of the system OpenBLAS (PyTensor's C BLAS) and NumPy's."""
-    out = {}
-    try:
-        lib = ctypes.CDLL("libopenblas.so.0")
-        out["system_openblas"] = lib.openblas_get_num_threads()
-    except (OSError, AttributeError):
-        out["system_openblas"] = None
-    try:
-        import numpy as np
-
-        libdir = os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs")
-        for path in glob.glob(os.path.join(libdir, "libscipy_openblas*.so*")):
-            lib = ctypes.CDLL(path)
-            for fn in ("scipy_openblas_get_num_threads64_", "scipy_openblas_get_num_threads"):
-                if hasattr(lib, fn):
-                    out["numpy_openblas"] = getattr(lib, fn)()
-                    break
-    except OSError:
-        pass
-    return out
 
 
 def time_calls(fn, n_calls, n_warm, args=()):
@@ -135,71 +89,33 @@ def time_calls(fn, n_calls, n_warm, args=()):
         fn(*args)
     if n_calls == 0:
         return None
-    clock = time.perf_counter
-    times = [0.0] * n_calls
-    for i in range(n_calls):
-        t0 = clock()
-        fn(*args)
-        times[i] = clock() - t0
-    return statistics.median(times) * 1e3
+    return statistics.median(per_call(fn, n_calls, args)) * 1e3
 
 
 # --------------------------------------------------------------------------
 # PyTensor worker
 # --------------------------------------------------------------------------
 def build_pytensor(dtype, mode):
-    import numpy as np
+    """The library's own graphs on ``common.mlp``: fwd-bwd, accumulate, adam apply."""
     import pytensor
-    import pytensor.tensor as pt
 
-    def c(v):  # constant in the model dtype (floatX stays float64)
-        return pt.constant(np.asarray(v, dtype=dtype))
+    import lasagne_accum as la
+    from common import mlp
 
-    init, xv, yv = make_data(dtype)
-    names = ["W1", "b1", "W2", "b2"]
-    params = [pytensor.shared(p, name=n) for p, n in zip(init, names)]
-    W1, b1, W2, b2 = params
-    x = pt.matrix("x", dtype=dtype)
-    y = pt.ivector("y")
-    h = pt.maximum(x @ W1 + b1, c(0))
-    logp = pt.special.log_softmax(h @ W2 + b2, axis=-1)
-    loss = -pt.mean(logp[pt.arange(y.shape[0]), y])
+    xv, yv = batch(dtype)
+    (x, y), params, loss = mlp(dtype)
     assert loss.dtype == dtype, loss.dtype
     grads = pytensor.grad(loss, params)
-
-    accs = [pytensor.shared(np.zeros_like(p), name="acc_" + n) for p, n in zip(init, names)]
-    count = pytensor.shared(np.asarray(0, dtype=dtype), name="count")
-    acc_updates = {a: a + g for a, g in zip(accs, grads)}
-    acc_updates[count] = count + c(1)
-
-    # Lasagne-style adam on the averaged accumulated gradients
-    lr, beta1, beta2, eps = c(1e-3), c(0.9), c(0.999), c(1e-8)
-    one = c(1)
-    t_prev = pytensor.shared(np.asarray(0, dtype=dtype), name="t_prev")
-    t = t_prev + one
-    a_t = lr * pt.sqrt(one - beta2**t) / (one - beta1**t)
-    denom = pt.maximum(count, one)
-    adam_updates = {}
-    for p, a, n in zip(params, accs, names):
-        g = a / denom
-        m_prev = pytensor.shared(np.zeros_like(p.get_value()), name="m_" + n)
-        v_prev = pytensor.shared(np.zeros_like(p.get_value()), name="v_" + n)
-        m_t = beta1 * m_prev + (one - beta1) * g
-        v_t = beta2 * v_prev + (one - beta2) * g**2
-        adam_updates[m_prev] = m_t
-        adam_updates[v_prev] = v_t
-        adam_updates[p] = p - a_t * m_t / (pt.sqrt(v_t) + eps)
-        adam_updates[a] = pt.zeros_like(a)
-    adam_updates[t_prev] = t
-    adam_updates[count] = pt.zeros_like(count)
-    for k, v in {**acc_updates, **adam_updates}.items():
-        assert v.dtype == k.dtype, (k, v.dtype)
+    acc = la.accumulate_gradients(loss, params)
+    apply = acc.guard(la.adam(acc.grads, params, 1e-3))
+    apply.update(acc.reset)
+    accs = acc.accumulators
 
     t0 = time.perf_counter()
     fns = {
         "fwd-bwd": pytensor.function([x, y], grads, mode=mode),
-        "accumulate": pytensor.function([x, y], loss, updates=acc_updates, mode=mode),
-        "adam": pytensor.function([], [], updates=adam_updates, mode=mode),
+        "accumulate": pytensor.function([x, y], loss, updates=acc.accumulate, mode=mode),
+        "adam": pytensor.function([], [], updates=apply, mode=mode),
     }
     compile_s = time.perf_counter() - t0
     calls = {
@@ -302,16 +218,16 @@ def worker_torch(name, args):
         "torch_threads": torch.get_num_threads(),
         "threads": threads,
     }
+    from common import torch_mlp
+
     dtype = "float32"
-    init, xv, yv = make_data(dtype)
-    params = [torch.tensor(p, requires_grad=True) for p in init]
-    W1, b1, W2, b2 = params
-    x, y = torch.from_numpy(xv), torch.from_numpy(yv).long()
+    params, loss_of = torch_mlp(dtype)
+    xv, yv = batch(dtype)
+    x, y = torch.from_numpy(xv), torch.from_numpy(yv)
     opt = torch.optim.Adam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
 
     def loss_fn():
-        h = torch.relu(x @ W1 + b1)
-        return torch.nn.functional.cross_entropy(h @ W2 + b2, y)
+        return loss_of(params, x, y)
 
     def fwd_bwd():
         return torch.autograd.grad(loss_fn(), params)
@@ -350,22 +266,6 @@ def worker_main(args):
 # --------------------------------------------------------------------------
 # parent
 # --------------------------------------------------------------------------
-def read_proto(proc):
-    while True:
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"worker exited early (rc={proc.wait()}); rerun with --verbose")
-        if line.startswith(PROTO):
-            return json.loads(line[len(PROTO):])
-
-
-def have_module(name):
-    r = subprocess.run(
-        [sys.executable, "-c", f"import {name}"], capture_output=True, text=True
-    )
-    return r.returncode == 0
-
-
 def start_worker(name, args):
     env = dict(os.environ)
     if args.threads:
@@ -484,8 +384,7 @@ def parent_main(args):
         (max(v) - min(v)) / statistics.median(v)
         for s in samples.values() for v in s.values()
     )
-    print("load average at start / end: "
-          f"{load0[0]:.2f} / {os.getloadavg()[0]:.2f} (1-min; > 0 means other work on the box)")
+    print(f"load average at start {load0[0]:.2f}; at the end: {load_average()}")
     print(f"setup {t_setup:.1f} s, total {time.perf_counter() - t_start:.1f} s; "
           f"max (max-min)/median over rounds {spread:.0%}")
 

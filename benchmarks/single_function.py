@@ -8,12 +8,16 @@ For each installed backend, on the 784-512-10 MLP (batch 64, Adam, N=4):
   of a window), ``step``: the N-th call;
 * ratios ``non-step / acc`` and ``step / (acc + apply)`` (targets: <= 1.05).
 
-Two graph choices are compared: ``lazy`` (the rule behind a lazy ``ifelse``,
-the default) and ``switch`` (the rule computed every call and selected).
+Three graph choices are compared: ``lazy`` (the default: the rule behind
+``ifelse``, which the library turns into its ``LazyStep`` op in C and Numba:
+the rule runs in place on stepping calls only), ``ifelse`` (the same graph
+compiled without that rewrite: PyTensor's own ``IfElse``) and ``switch`` (the
+rule computed every call and selected).
 Each window of N calls of each variant is timed call by call; the variants
 alternate within every round; the table shows medians.
 
     python benchmarks/single_function.py [--dtype float32] [--rounds 60] [--modes CVM NUMBA]
+    python benchmarks/single_function.py --quick     # smoke test: C and Numba, 6 rounds
 """
 
 import argparse
@@ -21,10 +25,13 @@ import time
 
 import numpy as np
 import pytensor
+from pytensor.compile.mode import get_mode
 
-from common import available_modes, batch, median, mlp
+from common import available_modes, batch, load_average, median, mlp
 
 from lasagne_accum import accumulate_gradients, adam, with_accumulated_gradients
+
+VARIANTS = ("lazy", "ifelse", "switch")
 
 
 def build(mode, dtype, every):
@@ -35,38 +42,58 @@ def build(mode, dtype, every):
     apply.update(acc.reset)
     out["acc"] = pytensor.function([x, y], loss, updates=acc.accumulate, mode=mode)
     out["apply"] = pytensor.function([], [], updates=apply, mode=mode)
-    for lazy in (True, False):
+    # "ifelse": the lazy form as PyTensor compiles it without the library's LazyStep rewrite
+    plain = get_mode(mode).excluding("lasagne_accum_lazy_step_c", "lasagne_accum_lazy_step_numba")
+    for variant, lazy, m in (("lazy", True, mode), ("ifelse", True, plain),
+                             ("switch", False, mode)):
         (x, y), params, loss = mlp(dtype)
         upd = with_accumulated_gradients(loss, params, every, adam, lazy=lazy, learning_rate=1e-3)
-        out["lazy" if lazy else "switch"] = pytensor.function([x, y], loss, updates=upd, mode=mode)
+        out[variant] = pytensor.function([x, y], loss, updates=upd, mode=m)
     return out
 
 
 def measure(fns, data, every, rounds):
-    t = {k: [] for k in ("acc", "apply", "lazy-non-step", "lazy-step", "switch-non-step",
-                         "switch-step")}
+    """Per-call times, and the ratios of each call to its neighbouring baseline call.
+
+    Every call of a window goes baseline first (accumulate, plus apply on the
+    last call), then each variant at the same position of its own window, in
+    an order rotating per round: a load burst hits neighbours alike.
+    """
+    t = {k: [] for k in ("acc", "apply", *(f"{v}-{c}" for v in VARIANTS
+                                             for c in ("non-step", "step")))}
+    ratio = {f"{v}-{c}": [] for v in VARIANTS for c in ("non-step", "step")}
     clock = time.perf_counter
-    for _ in range(rounds):
-        for _ in range(every - 1):
-            s = clock(); fns["acc"](*data); t["acc"].append(clock() - s)
-        s = clock(); fns["acc"](*data); t["acc"].append(clock() - s)
-        s = clock(); fns["apply"](); t["apply"].append(clock() - s)
-        for variant in ("lazy", "switch"):
-            f = fns[variant]
-            for _ in range(every - 1):
-                s = clock(); f(*data); t[f"{variant}-non-step"].append(clock() - s)
-            s = clock(); f(*data); t[f"{variant}-step"].append(clock() - s)
-    return {k: median(v) for k, v in t.items()}
+    for r in range(rounds):
+        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
+        for c in range(every):
+            s = clock(); fns["acc"](*data); a = clock() - s
+            t["acc"].append(a)
+            base = a
+            if c == every - 1:
+                s = clock(); fns["apply"](); p = clock() - s
+                t["apply"].append(p)
+                base = a + p
+            kind = "step" if c == every - 1 else "non-step"
+            for variant in order:
+                s = clock(); fns[variant](*data); d = clock() - s
+                t[f"{variant}-{kind}"].append(d)
+                ratio[f"{variant}-{kind}"].append(d / base)
+    out = {k: median(v) for k, v in t.items()}
+    out.update({f"ratio {k}": median(v) for k, v in ratio.items()})
+    return out
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--every", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=60)
+    p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--modes", nargs="*", default=None)
+    p.add_argument("--quick", action="store_true", help="C and Numba only, 6 rounds")
     args = p.parse_args()
-    modes = args.modes or available_modes()
+    args.rounds = args.rounds or (6 if args.quick else 60)
+    modes = args.modes or (["CVM", "NUMBA"] if args.quick else available_modes())
+    print(load_average())
     data = batch(args.dtype)
     print(f"pytensor {pytensor.__version__}, blas: {pytensor.config.blas__ldflags or 'none'}; "
           f"784-512-10 MLP, batch 64, adam, N={args.every}, {args.dtype}, {args.rounds} rounds")
@@ -88,11 +115,16 @@ def main():
     print(header)
     print("-" * len(header))
     for mode, r in results.items():
+        rr = {k: median(v) for k, v in r.items()}
         r = {k: median(v) * 1e3 for k, v in r.items()}
-        for variant in ("lazy", "switch"):
+        for variant in VARIANTS:
             ns, st = r[f"{variant}-non-step"], r[f"{variant}-step"]
             print(f"{mode:8} {r['acc']:7.3f} {r['apply']:8.3f} {variant:>7} {ns:9.3f} {st:7.3f}"
-                  f" {ns / r['acc']:13.3f} {st / (r['acc'] + r['apply']):17.3f}")
+                  f" {rr[f'ratio {variant}-non-step']:13.3f}"
+                  f" {rr[f'ratio {variant}-step']:17.3f}")
+    print("(ms: medians per call; ratios: medians of each call over its neighbouring "
+          "baseline call(s); targets <= 1.05)")
+    print(load_average())
 
 
 if __name__ == "__main__":

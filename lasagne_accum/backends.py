@@ -20,6 +20,10 @@
   TorchDynamo hands it a Python scalar. Each breaks some rule: bias
   corrections (``beta ** t``), step counters and window conditions, shapes.
 
+* Numba and C fast paths (:mod:`lasagne_accum.fast_ops`): ``acc + dot(a, b)``
+  as an in-place BLAS gemm in the Numba backend, and the single-function
+  form's step as an op that runs the rule in place only on stepping calls.
+
 The fixes are registered on PyTensor's own dispatchers, and only once PyTensor
 imports the backend's dispatch module: importing this library never imports
 jax or torch.
@@ -29,7 +33,8 @@ import importlib.abc
 import importlib.util
 import sys
 
-__all__ = ["register_c_fixes", "register_jax_fixes", "register_pytorch_fixes"]
+__all__ = ["register_c_fixes", "register_jax_fixes", "register_pytorch_fixes",
+           "register_numba_fixes"]
 
 _registered: set[str] = set()
 
@@ -117,7 +122,16 @@ def register_pytorch_fixes():
     _registered.add("pytorch")
 
 
+def register_numba_fixes():
+    """Register the Numba fast paths of :mod:`lasagne_accum.fast_ops` (idempotent; imports numba)."""
+    from .fast_ops import register_numba_gemm, register_numba_lazy_step
+
+    register_numba_gemm()
+    register_numba_lazy_step()
+
+
 _FIXES = {
+    "pytensor.link.numba.dispatch": register_numba_fixes,
     "pytensor.link.jax.dispatch": register_jax_fixes,
     "pytensor.link.pytorch.dispatch": register_pytorch_fixes,
 }
@@ -154,7 +168,11 @@ class _FixingLoader(importlib.abc.Loader):
 
 def install():
     """Apply each backend's fixes now if its dispatch is loaded, else when it loads."""
+    from .fast_ops import register_lazy_step_rewrite, register_numba_gemm_rewrite
+
     register_c_fixes()
+    register_numba_gemm_rewrite()
+    register_lazy_step_rewrite()
     pending = False
     for module, fix in _FIXES.items():
         if module in sys.modules:

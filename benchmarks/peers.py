@@ -1,0 +1,272 @@
+#!/usr/bin/env python
+"""Ours against PyTorch and optax, and the Adam apply step against the copy bandwidth.
+
+Same model (``common.mlp``: 784-512-10 ReLU MLP, mean cross-entropy, the same
+initial values), same batch of 64, float32, a window of ``--every`` = 4
+accumulated batches followed by one Adam step (lr 1e-3):
+
+* ``ours``: ``lasagne_accum.compile_accumulation(..., update_rule=adam)`` with
+  the library's default modes, ``trainer.accumulate_fn`` x4 + ``apply_fn``;
+  ``ours-numba``: the README's recipe compiled with plain
+  ``pytensor.function`` (PyTensor 3's default, Numba) for both functions;
+* ``torch``: PyTorch's accumulation loop, ``(loss / 4).backward()`` x4,
+  ``Adam.step()``, ``zero_grad()``;
+* ``optax``: ``optax.MultiSteps(optax.adam(1e-3), every_k_schedule=4)`` in one
+  ``jax.jit``-compiled step (buffers donated), called 4 times, each call
+  waited for (``block_until_ready``).
+
+Each library runs in its own process, once with 1 thread and once with 2
+(thread variables and CPU affinity pinned); the processes are timed in
+interleaved rounds; a number is the median over rounds of the per-round median.
+
+Item 4 (in the ``ours`` worker): the apply step's bytes moved per call (every
+shared array it reads plus every one it writes, i.e. the least traffic the
+step needs) divided by its time, beside the bandwidth of ``numpy.copyto`` of a
+float32 array as large as all parameters together (2 x its bytes per copy),
+timed alternately in the same process.
+
+    python benchmarks/peers.py            # about 3-5 minutes on 2 busy cores
+    python benchmarks/peers.py --quick    # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+HERE = os.path.abspath(__file__)
+sys.path.insert(0, os.path.dirname(HERE))
+
+from common import (  # noqa: E402  (no heavy imports)
+    Worker, batch, have_module, interleaved_rounds, load_average, median, mlp, per_call,
+    pin_cpus, serve, worker_io,
+)
+
+LR = 1e-3
+
+
+# --------------------------------------------------------------------------
+# workers
+# --------------------------------------------------------------------------
+def worker_ours(args, proto):
+    import numpy as np
+    import pytensor
+
+    import lasagne_accum as la
+
+    every = args.every
+    xv, yv = batch("float32")
+    (x, y), params, loss = mlp("float32")
+    trainer = la.compile_accumulation([x, y], loss, params, la.adam,
+                                      dict(learning_rate=LR), every=every)
+    # the README's recipe with plain pytensor.function (PyTensor's default mode)
+    (x2, y2), params2, loss2 = mlp("float32")
+    acc = la.accumulate_gradients(loss2, params2)
+    apply = acc.guard(la.adam(acc.grads, params2, LR))
+    apply.update(acc.reset)
+    plain_acc = pytensor.function([x2, y2], loss2, updates=acc.accumulate)
+    plain_apply = pytensor.function([], [], updates=apply)
+    variants = {"ours": (trainer.accumulate_fn, trainer.apply_fn),
+                "ours-numba": (plain_acc, plain_apply)}
+
+    # item 4: bytes the apply step must move, and a copy of the parameters' size
+    fn = trainer.apply_fn
+    shared = {id(i.variable): i.variable for i in fn.maker.inputs if i.implicit}
+    read = sum(np.asarray(v.get_value(borrow=True)).nbytes for v in shared.values())
+    written = sum(np.asarray(i.variable.get_value(borrow=True)).nbytes
+                  for i in fn.maker.inputs if i.update is not None)
+    n_param = sum(p.get_value(borrow=True).size for p in params)
+    src = np.random.rand(n_param).astype("float32")
+    dst = np.empty_like(src)
+
+    def window(acc_fn, apply_fn):
+        for _ in range(every):
+            acc_fn(xv, yv)
+        apply_fn()
+
+    for _ in range(3):  # warm-up (JIT, first-call allocations)
+        for a, p in variants.values():
+            window(a, p)
+    meta = {"cpus": args.cpus, "modes": [str(f.maker.mode.linker) for f in variants["ours"]],
+            "apply_bytes": read + written, "copy_bytes": 2 * src.nbytes,
+            "param_bytes": src.nbytes}
+
+    def measure(r):
+        out = {}
+        names = list(variants)
+        for name in names[r % 2:] + names[:r % 2]:
+            acc_fn, apply_fn = variants[name]
+            out[f"{name}.window"] = median(per_call(window, args.windows, (acc_fn, apply_fn)))
+        apply_t, copy_t = [], []
+        for _ in range(args.windows):  # item 4: apply after a real window, copies between
+            for _ in range(every):
+                trainer.accumulate_fn(xv, yv)
+            apply_t += per_call(trainer.apply_fn, 1)
+            copy_t += per_call(np.copyto, 3, (dst, src))
+        out["apply"], out["copy"] = median(apply_t), median(copy_t)
+        return out
+
+    serve(proto, meta, measure)
+
+
+def worker_torch(args, proto):
+    import torch
+
+    from common import torch_mlp
+
+    torch.set_num_threads(args.threads)
+    params, loss_fn = torch_mlp("float32")
+    xv, yv = batch("float32")
+    x, y = torch.from_numpy(xv), torch.from_numpy(yv)
+    opt = torch.optim.Adam(params, lr=LR)
+    every = args.every
+
+    def window():
+        for _ in range(every):
+            (loss_fn(params, x, y) / every).backward()  # sums into .grad: the mean
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(5):
+        window()
+    meta = {"cpus": args.cpus, "torch": torch.__version__, "threads": torch.get_num_threads()}
+    serve(proto, meta, lambda r: {"window": median(per_call(window, args.windows))})
+
+
+def worker_optax(args, proto):
+    import jax
+    import optax
+
+    from common import jax_mlp
+
+    jax.config.update("jax_platforms", "cpu")
+    params, loss_fn = jax_mlp("float32")
+    xv, yv = batch("float32")
+    x, y = jax.device_put(xv), jax.device_put(yv)
+    opt = optax.MultiSteps(optax.adam(LR), every_k_schedule=args.every)
+    state = [params, opt.init(params)]
+
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    step = jax.jit(step, donate_argnums=(0, 1))
+
+    def window():
+        for _ in range(args.every):
+            p, s, loss = step(state[0], state[1], x, y)
+            jax.block_until_ready((p, s, loss))
+            state[0], state[1] = p, s
+
+    for _ in range(5):
+        window()
+    meta = {"cpus": args.cpus, "jax": jax.__version__, "optax": optax.__version__}
+    serve(proto, meta, lambda r: {"window": median(per_call(window, args.windows))})
+
+
+WORKERS = {"ours": worker_ours, "torch": worker_torch, "optax": worker_optax}
+
+
+# --------------------------------------------------------------------------
+# parent
+# --------------------------------------------------------------------------
+def parent_main(args):
+    t0 = time.perf_counter()
+    print(load_average())
+    peers = [p for p, mod in (("torch", "torch"), ("optax", "optax")) if have_module(mod)]
+    missing = sorted({"torch", "optax"} - set(peers))
+    log = tempfile.NamedTemporaryFile("w+", prefix="peers-bench-", suffix=".log", delete=False)
+    workers = [Worker(HERE, name, ["--every", str(args.every), "--windows", str(args.windows)],
+                      threads=t, log=log)
+               for t in args.thread_counts for name in ["ours", *peers]]
+    for w, t in zip(workers, [t for t in args.thread_counts for _ in ["ours", *peers]]):
+        w.name = f"{w.name}@{t}"
+    try:
+        meta = {w.name: w.ready() for w in workers}
+        samples = interleaved_rounds(workers, args.rounds, args.max_seconds)
+    except RuntimeError:
+        log.flush()
+        log.seek(0)
+        sys.stderr.write(log.read()[-4000:])
+        raise
+    finally:
+        for w in workers:
+            w.close()
+    med = {k: median(v) * 1e3 for k, v in samples.items()}
+    rounds = min(len(v) for v in samples.values())
+
+    m = next(v for k, v in meta.items() if k.startswith("ours"))
+    print(f"model 784-512-10 ReLU MLP, float32, batch 64, windows of {args.every} batches + "
+          f"one Adam step; {rounds} interleaved rounds x {args.windows} windows; ms = median "
+          "over rounds of the per-round median")
+    print(f"ours: compile_accumulation default modes (accumulate / apply linker) {m['modes']}; "
+          "ours-numba: plain pytensor.function (Numba)"
+          + "".join(f"; {p} {meta[f'{p}@{args.thread_counts[0]}'].get(p)}" for p in peers)
+          + (f"; not installed: {', '.join(missing)}" if missing else ""))
+    print()
+    cols = ["ours", "ours-numba", *peers]
+    hdr = f"{'threads':>7} " + " ".join(f"{c + ' ms':>14}" for c in cols) + "".join(
+        f" {'ours/' + p:>11} {'ours-numba/' + p:>17}" for p in peers)
+    print("3. one window (N accumulate steps + one Adam step), per library and thread count")
+    print(hdr)
+    print("-" * len(hdr))
+    verdicts = []
+    for t in args.thread_counts:
+        key = {"ours": f"ours@{t}/ours.window", "ours-numba": f"ours@{t}/ours-numba.window",
+               **{p: f"{p}@{t}/window" for p in peers}}
+        row = f"{t:>7} " + " ".join(f"{med[key[c]]:14.3f}" for c in cols)
+        for p in peers:
+            a, b = med[key["ours"]] / med[key[p]], med[key["ours-numba"]] / med[key[p]]
+            row += f" {a:11.3f} {b:17.3f}"
+            verdicts.append((f"3 ours / {p}, {t} thread(s)", a, 1.0))
+        print(row)
+    print()
+    print("4. Adam apply step against the copy bandwidth of a parameter-sized array "
+          f"({m['param_bytes'] / 2**20:.2f} MB float32)")
+    print(f"{'threads':>7} {'apply ms':>9} {'MB moved':>9} {'apply GB/s':>11} "
+          f"{'copy ms':>8} {'copy GB/s':>10} {'ratio':>6}")
+    for t in args.thread_counts:
+        mm = meta[f"ours@{t}"]
+        ap, cp = med[f"ours@{t}/apply"], med[f"ours@{t}/copy"]
+        bw_a, bw_c = mm["apply_bytes"] / ap / 1e6, mm["copy_bytes"] / cp / 1e6
+        print(f"{t:>7} {ap:9.3f} {mm['apply_bytes'] / 2**20:9.2f} {bw_a:11.2f} {cp:8.3f} "
+              f"{bw_c:10.2f} {bw_a / bw_c:6.2f}")
+        verdicts.append((f"4 apply bandwidth / copy bandwidth, {t} thread(s)", bw_a / bw_c, -0.6))
+    print()
+    print("SUMMARY (target: measured -> verdict)")
+    for label, v, target in verdicts:
+        ok = v <= target if target > 0 else v >= -target
+        print(f"  {'PASS' if ok else 'MISS'}  {label:45s} {'<=' if target > 0 else '>='} "
+              f"{abs(target)}: {v:.3f}")
+    print(load_average())
+    print(f"total {time.perf_counter() - t0:.0f} s; worker log {log.name}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    ap.add_argument("--quick", action="store_true", help="few rounds (smoke test)")
+    ap.add_argument("--every", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--windows", type=int, default=None, help="windows per round and worker")
+    ap.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--thread-counts", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--max-seconds", type=float, default=None)
+    ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.rounds = args.rounds or (2 if args.quick else 15)
+    args.windows = args.windows or (3 if args.quick else 10)
+    args.max_seconds = args.max_seconds or (20 if args.quick else 240)
+    if args.worker:
+        proto = worker_io()
+        args.cpus = pin_cpus(args.threads)
+        WORKERS[args.worker](args, proto)
+    else:
+        parent_main(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,520 @@
+"""Fast paths for PyTensor's Numba backend (PyTensor 3's default).
+
+* **In-place accumulation through BLAS.** The C backend turns
+  ``acc + dot(a, b)`` into ``Gemm{inplace}``: one BLAS call that adds the
+  product into the buffer (``beta = 1``). The Numba backend leaves PyTensor's
+  BLAS rewrites out, so there the same update computes the product into a new
+  array and then adds it: a parameter-sized temporary per call.
+  :func:`register_numba_gemm_rewrite` adds, for the Numba backend only, the
+  same rewrite the C backend runs (``Dot`` + scaled ``Add`` -> ``Gemm``;
+  PyTensor's own in-place pass then makes it ``Gemm{inplace}``), and
+  :func:`register_numba_gemm` gives ``Gemm`` a Numba implementation that calls
+  the ``sgemm``/``dgemm`` of scipy's BLAS (the library Numba's own ``np.dot``
+  calls), writing into the buffer.
+
+* **A lazy step that costs nothing.** The single-function form
+  (``average=N``) selects the rule's new values with
+  ``ifelse(keep, states, new_values)``. PyTensor's ``IfElse`` copies the
+  branch it returns when that is the new values (C), and the Numba backend
+  computes both branches on every call. :func:`register_lazy_step_rewrite`
+  turns that ``IfElse`` (its unchanged branch being updated shared variables)
+  into :class:`LazyStep`, an op that holds the nodes feeding only the new
+  values as an inner graph, runs it only when the step happens, and writes the
+  results into the state buffers themselves (the inner graph is compiled with
+  the states as mutable inputs, so the rule runs in place). C modes: the op's
+  thunk calls the inner graph compiled by PyTensor's Numba backend (its
+  elementwise loops are the faster ones; C when numba is missing); Numba: the
+  inner function sits behind an ``if`` in the compiled code
+  (:func:`register_numba_lazy_step`). JAX and PyTorch keep the ``IfElse``.
+
+All are registered by :func:`lasagne_accum.backends.install` when the library
+is imported (the Numba implementations once PyTensor loads its Numba dispatch).
+Each rewrite can be left out by name, to compare:
+``get_mode("NUMBA").excluding("lasagne_accum_numba_gemm",
+"lasagne_accum_lazy_step_numba")``, ``get_mode("CVM").excluding(
+"lasagne_accum_lazy_step_c")``.
+"""
+
+import hashlib
+import pathlib
+
+__all__ = ["register_numba_gemm_rewrite", "register_numba_gemm", "register_lazy_step_rewrite",
+           "register_numba_lazy_step", "LazyStep"]
+
+_registered = set()
+# Numba's on-disk cache is keyed by what a dispatcher says; the source's hash
+# in the key makes every edit of this module compile afresh.
+_SOURCE_KEY = hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------
+# rewrite: Dot + Add -> Gemm, Numba backend only
+# --------------------------------------------------------------------------
+def register_numba_gemm_rewrite():
+    """Run the C backend's Gemm rewrite in the Numba backend too (idempotent).
+
+    ``Dot`` becomes ``Dot22`` for the search, PyTensor's ``GemmOptimizer``
+    folds ``beta * z + alpha * Dot22(x, y)`` sums into ``Gemm``, and the
+    ``Dot22`` left over become ``Dot`` again (their Numba code). Registered
+    under the tag ``numba`` only: the C, JAX and PyTorch backends' graphs do
+    not change.
+    """
+    if "gemm-rewrite" in _registered:
+        return
+    from pytensor.compile.mode import optdb
+    from pytensor.graph.rewriting.basic import dfs_rewriter, node_rewriter
+    from pytensor.graph.rewriting.db import SequenceDB
+    from pytensor.tensor.blas import Dot22
+    from pytensor.tensor.math import _dot
+    from pytensor.tensor.rewriting.blas import GemmOptimizer, local_dot_to_dot22
+
+    @node_rewriter([Dot22])
+    def local_dot22_to_dot(fgraph, node):
+        return [_dot(*node.inputs)]
+
+    seq = SequenceDB()
+    seq.register("lasagne_accum_dot_to_dot22", dfs_rewriter(local_dot_to_dot22), "numba",
+                 position=0)
+    seq.register("lasagne_accum_gemm", GemmOptimizer(), "numba", position=10)
+    seq.register("lasagne_accum_dot22_to_dot", dfs_rewriter(local_dot22_to_dot), "numba",
+                 position=20)
+    # where the C backend's BlasOpt runs: after stabilisation, before specialisation
+    optdb.register("lasagne_accum_numba_gemm", seq, "numba", position=1.71)
+    _registered.add("gemm-rewrite")
+
+
+# --------------------------------------------------------------------------
+# Numba implementation of Gemm
+# --------------------------------------------------------------------------
+def _blas_address(name):
+    from scipy.linalg import cython_blas  # noqa: F401  (loads the module)
+    from numba.core.extending import get_cython_function_address
+
+    return get_cython_function_address("scipy.linalg.cython_blas", name)
+
+
+def _numba_gemm_kernels():
+    """Numba functions ``blas_gemm(dtype)`` and ``gemm_into(z, alpha, x, y, beta)``."""
+    import numba
+    import numpy as np
+    from numba import types
+    from numba.core import cgutils
+    from numba.core.extending import intrinsic
+    from pytensor.link.numba.cache import _call_cached_ptr
+    from pytensor.link.numba.dispatch.basic import numba_njit
+
+    @intrinsic
+    def address_of(typingctx, value):
+        """A pointer to a stack copy of `value` (Fortran passes by reference)."""
+        if isinstance(value, types.Literal):
+            return None
+
+        def codegen(context, builder, signature, args):
+            return cgutils.alloca_once_value(builder, args[0])
+
+        return types.CPointer(value)(value), codegen
+
+    i8p, i32p = types.CPointer(types.int8), types.CPointer(types.int32)
+
+    def blas_gemm(kind):
+        nb_float = {"s": types.float32, "d": types.float64}[kind]
+        fp = types.CPointer(nb_float)
+        fn_type = types.FunctionType(
+            types.void(i8p, i8p, i32p, i32p, i32p, fp, fp, i32p, fp, i32p, fp, fp, i32p))
+        cache_name = f"lasagne_accum_{kind}gemm"
+        name = f"{kind}gemm"
+
+        @numba_njit
+        def get_pointer():
+            with numba.objmode(ptr=types.intp):
+                ptr = _blas_address(name)
+            return ptr
+
+        @numba_njit
+        def call(transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+            fn = _call_cached_ptr(get_ptr_func=get_pointer, func_type_ref=fn_type,
+                                  unique_func_name_lit=cache_name)
+            fn(address_of(transa), address_of(transb), address_of(m), address_of(n),
+               address_of(k), address_of(alpha), a.ctypes, address_of(lda), b.ctypes,
+               address_of(ldb), address_of(beta), c.ctypes, address_of(ldc))
+
+        return call
+
+    @numba_njit(inline="always")
+    def layout(a):
+        """(1, ld) if `a` is a column-major BLAS matrix, (2, ld) if row-major, else (0, 0)."""
+        item = a.itemsize
+        r, c = a.shape
+        s0, s1 = a.strides
+        if (r <= 1 or s0 == item) and (
+                c <= 1 or (s1 > 0 and s1 % item == 0 and s1 // item >= max(1, r))):
+            return 1, (s1 // item if c > 1 else max(1, r))
+        if (c <= 1 or s1 == item) and (
+                r <= 1 or (s0 > 0 and s0 % item == 0 and s0 // item >= max(1, c))):
+            return 2, (s0 // item if r > 1 else max(1, c))
+        return 0, 0
+
+    kernels = {"float32": blas_gemm("s"), "float64": blas_gemm("d")}
+    N, T = np.int8(ord("N")), np.int8(ord("T"))
+
+    def gemm_into(dtype):
+        blas = kernels[dtype]
+        scalar = np.dtype(dtype).type
+
+        @numba_njit
+        def run_contiguous(z, alpha, x, y, beta):
+            m, k = x.shape
+            n = y.shape[1]
+            xl, ldx = layout(x)
+            if xl == 0:
+                x = np.ascontiguousarray(x)
+                xl, ldx = layout(x)
+            yl, ldy = layout(y)
+            if yl == 0:
+                y = np.ascontiguousarray(y)
+                yl, ldy = layout(y)
+            blas(N if yl == 2 else T, N if xl == 2 else T, np.int32(n), np.int32(m),
+                 np.int32(k), scalar(alpha), y, np.int32(ldy), x, np.int32(ldx),
+                 scalar(beta), z, np.int32(max(1, n)))
+
+        @numba_njit
+        def run(z, alpha, x, y, beta):
+            """z := beta * z + alpha * x @ y, in place (z has the product's shape)."""
+            m, k = x.shape
+            n = y.shape[1]
+            if m == 0 or n == 0:
+                return
+            zl, ldz = layout(z)
+            if zl == 0:  # a layout BLAS cannot write: compute aside, copy in
+                tmp = np.ascontiguousarray(z)
+                run_contiguous(tmp, alpha, x, y, beta)
+                z[...] = tmp
+                return
+            xl, ldx = layout(x)
+            if xl == 0:
+                x = np.ascontiguousarray(x)
+                xl, ldx = layout(x)
+            yl, ldy = layout(y)
+            if yl == 0:
+                y = np.ascontiguousarray(y)
+                yl, ldy = layout(y)
+            if zl == 1:  # column-major Z (m x n) = alpha op(X) op(Y) + beta Z
+                blas(N if xl == 1 else T, N if yl == 1 else T, np.int32(m), np.int32(n),
+                     np.int32(k), scalar(alpha), x, np.int32(ldx), y, np.int32(ldy),
+                     scalar(beta), z, np.int32(ldz))
+            else:  # row-major Z is column-major Z^T (n x m) = alpha Y^T X^T + beta Z^T
+                blas(N if yl == 2 else T, N if xl == 2 else T, np.int32(n), np.int32(m),
+                     np.int32(k), scalar(alpha), y, np.int32(ldy), x, np.int32(ldx),
+                     scalar(beta), z, np.int32(ldz))
+
+        return run
+
+    return gemm_into
+
+
+def register_numba_gemm():
+    """Give PyTensor's ``Gemm`` a Numba implementation through BLAS (idempotent; imports numba)."""
+    if "numba-gemm" in _registered:
+        return
+    import numpy as np
+    from pytensor.link.numba.dispatch import basic as numba_basic
+    from pytensor.link.numba.dispatch.basic import register_funcify_and_cache_key
+    from pytensor.tensor.blas import Gemm
+
+    gemm_into = _numba_gemm_kernels()
+
+    @numba_basic.numba_njit
+    def _dot(x, y):
+        return np.dot(np.ascontiguousarray(x), np.ascontiguousarray(y))
+
+    @register_funcify_and_cache_key(Gemm)
+    def numba_funcify_Gemm(op, node, **kwargs):
+        dtype = node.outputs[0].type.dtype
+        inplace = bool(op.inplace)
+        if dtype not in ("float32", "float64"):
+            @numba_basic.numba_njit
+            def gemm_generic(z, a, x, y, b):
+                return np.asarray(b.item() * z + a.item() * _dot(x, y)).astype(z.dtype)
+
+            return gemm_generic, f"lasagne_accum-gemm-generic-{dtype}-{_SOURCE_KEY}"
+        run = gemm_into(dtype)
+
+        if inplace:
+            @numba_basic.numba_njit
+            def gemm(z, a, x, y, b):
+                if x.shape[1] != y.shape[0] or z.shape[0] != x.shape[0] or \
+                        z.shape[1] != y.shape[1]:
+                    return np.asarray(b.item() * z + a.item() * _dot(x, y))
+                run(z, a.item(), x, y, b.item())
+                return z
+        else:
+            @numba_basic.numba_njit
+            def gemm(z, a, x, y, b):
+                if x.shape[1] != y.shape[0] or z.shape[0] != x.shape[0] or \
+                        z.shape[1] != y.shape[1]:
+                    return np.asarray(b.item() * z + a.item() * _dot(x, y))
+                out = z.copy()
+                run(out, a.item(), x, y, b.item())
+                return out
+
+        return gemm, f"lasagne_accum-gemm-{dtype}-{inplace}-{_SOURCE_KEY}"
+
+    _registered.add("numba-gemm")
+
+
+# --------------------------------------------------------------------------
+# lazy, in-place step: IfElse(keep, states, new values) -> LazyStep
+# --------------------------------------------------------------------------
+def _make_lazy_step_class():
+    import numpy as np
+    from pytensor.graph.basic import Apply
+    from pytensor.graph.op import Op
+
+    class LazyStep(Op):
+        """Run an inner graph only when a condition holds, writing into the states.
+
+        ``LazyStep(cond, *states, *others)`` returns the states. When `cond`
+        holds, the inner graph computes ``new_i = f_i(states, others)`` and
+        each state's buffer is overwritten with ``new_i`` (the inner graph may
+        compute it there directly: the states are mutable inputs to it);
+        otherwise nothing runs and the states come back unchanged. Output ``i``
+        is state ``i``'s buffer (``destroy_map``), so neither case copies.
+
+        Built by the ``lasagne_accum_lazy_step`` rewrites from PyTensor's
+        ``ifelse(keep, states, new_values)``, where the states are updated
+        shared variables; JAX and PyTorch keep the ``IfElse``.
+        """
+
+        __props__ = ()
+
+        def __init__(self, fgraph, n_states):
+            self.fgraph = fgraph
+            self.n_states = n_states
+            self.destroy_map = {i: [1 + i] for i in range(n_states)}
+            self._fn = None
+
+        def __eq__(self, other):
+            return self is other
+
+        def __hash__(self):
+            return id(self)
+
+        def __str__(self):
+            return f"LazyStep{{{self.n_states} states}}"
+
+        def make_node(self, cond, *inputs):
+            states = inputs[:self.n_states]
+            return Apply(self, [cond, *inputs], [s.type() for s in states])
+
+        def inner_function(self):
+            """The inner graph compiled for the C backend's thunk (states mutable).
+
+            Compiled by PyTensor's Numba backend when numba imports: its fused
+            elementwise loops run an update rule several times faster than the
+            C backend's (what ``default_modes`` measured for the apply step);
+            else by the C backend.
+            """
+            if self._fn is None:
+                import importlib.util
+
+                import pytensor
+                from pytensor.compile.io import In, Out
+
+                mode = "NUMBA" if importlib.util.find_spec("numba") else "CVM"
+                fg = self.fgraph.clone()
+                ins = [In(v, borrow=True, mutable=i < self.n_states)
+                       for i, v in enumerate(fg.inputs)]
+                self._fn = pytensor.function(ins, [Out(o, borrow=True) for o in fg.outputs],
+                                             mode=mode, accept_inplace=True,
+                                             on_unused_input="ignore")
+                self._fn.trust_input = True
+            return self._fn
+
+        def prepare_node(self, node, storage_map, compute_map, impl):
+            if impl != "numba":  # compile now, with the outer function, not at the first step
+                self.inner_function()
+
+        def perform(self, node, inputs, output_storage):
+            cond, args = inputs[0], inputs[1:]
+            states = args[:self.n_states]
+            if cond:
+                new = list(self.inner_function()(*args))
+                address = [s.__array_interface__["data"][0] for s in states]
+                # in place, the inner graph may have written state i's new value into
+                # state j's buffer: take those values aside before any store
+                for i, v in enumerate(new):
+                    at = v.__array_interface__["data"][0]
+                    if at != address[i] and at in address:
+                        new[i] = v.copy()
+                for s, v, at in zip(states, new, address):
+                    if v.__array_interface__["data"][0] != at:
+                        np.copyto(s, v)
+            for out, s in zip(output_storage, states):
+                out[0] = s
+
+    return LazyStep
+
+
+LazyStep = _make_lazy_step_class()
+
+
+def _exclusive_subgraph(fgraph, ifelse_node, false_vals):
+    """Nodes whose outputs feed only the IfElse's false branch (directly or not)."""
+    from pytensor.graph.traversal import io_toposort
+
+    n = ifelse_node.op.n_outs
+    false_slots = set(range(1 + n, 1 + 2 * n))
+    inner = set()
+    for node in reversed(io_toposort(fgraph.inputs, false_vals)):
+        if getattr(node.op, "destroy_map", None):
+            continue
+        ok = True
+        for out in node.outputs:
+            for client, idx in fgraph.clients[out]:
+                if client in inner or (client is ifelse_node and idx in false_slots):
+                    continue
+                ok = False
+                break
+            if not ok:
+                break
+        if ok:
+            inner.add(node)
+    return inner
+
+
+def _lazy_step_rewrite():
+    import pytensor.tensor as pt
+    from pytensor.graph.basic import Constant
+    from pytensor.graph.fg import FunctionGraph
+    from pytensor.graph.replace import clone_replace
+    from pytensor.graph.rewriting.basic import node_rewriter
+    from pytensor.ifelse import IfElse
+
+    @node_rewriter([IfElse], inplace=True)
+    def local_ifelse_to_lazy_step(fgraph, node):
+        """``ifelse(keep, states, new)`` on updated shared states -> ``LazyStep(not keep, ...)``."""
+        n = node.op.n_outs
+        cond, branches = node.inputs[0], node.inputs[1:]
+        states, new_values = branches[:n], branches[n:]
+        if len(set(states)) != n or not all(s in fgraph.inputs for s in states):
+            return None
+        if any(s.type.dtype != o.type.dtype or s.type.ndim != o.type.ndim
+               for s, o in zip(states, node.outputs)):
+            return None
+        inner = _exclusive_subgraph(fgraph, node, new_values)
+        outer_inputs = list(states)
+        for nd in inner:
+            for v in nd.inputs:
+                if (v.owner not in inner and not isinstance(v, Constant)
+                        and v not in outer_inputs):
+                    outer_inputs.append(v)
+        for v in new_values:  # a new value computed outside (or a state itself)
+            if (v.owner not in inner and not isinstance(v, Constant)
+                    and v not in outer_inputs):
+                outer_inputs.append(v)
+        inner_inputs = [v.type() for v in outer_inputs]
+        inner_outputs = clone_replace(list(new_values),
+                                      replace=dict(zip(outer_inputs, inner_inputs)))
+        op = LazyStep(FunctionGraph(inner_inputs, inner_outputs, clone=False), n)
+        step = pt.eq(cond, 0)
+        outs = op(step, *outer_inputs)
+        outs = outs if isinstance(outs, list | tuple) else [outs]
+        return [o if o.type == old.type else old.type.filter_variable(o)
+                for o, old in zip(outs, node.outputs)]
+
+    return local_ifelse_to_lazy_step
+
+
+def register_lazy_step_rewrite():
+    """Turn the single-function form's ``ifelse`` into :class:`LazyStep` in C and Numba (idempotent).
+
+    Registered twice: under ``cxx_only`` (C modes) and ``numba``; JAX and
+    PyTorch leave both tags out and keep the ``IfElse`` (JAX's already
+    costs nothing there: XLA selects without copying).
+    """
+    if "lazy-rewrite" in _registered:
+        return
+    from pytensor.compile.mode import optdb
+    from pytensor.graph.rewriting.basic import dfs_rewriter
+
+    rewrite = _lazy_step_rewrite()
+    # after fusion and the destroy handler (49.5), before the in-place passes (50+)
+    optdb.register("lasagne_accum_lazy_step_c", dfs_rewriter(rewrite), "fast_run", "cxx_only",
+                   "inplace", position=49.6)
+    optdb.register("lasagne_accum_lazy_step_numba", dfs_rewriter(rewrite), "numba",
+                   position=49.6)
+    _registered.add("lazy-rewrite")
+
+
+def register_numba_lazy_step():
+    """Numba implementation of :class:`LazyStep` (idempotent; imports numba)."""
+    if "numba-lazy" in _registered:
+        return
+    register_lazy_step_rewrite()
+    from hashlib import sha256
+
+    import numpy as np
+    from pytensor.compile.aliasing import add_supervisor_to_fgraph, insert_deepcopy
+    from pytensor.compile.io import In, Out
+    from pytensor.compile.mode import NUMBA
+    from pytensor.link.numba.cache import compile_numba_function_src
+    from pytensor.link.numba.dispatch import basic as numba_basic
+    from pytensor.link.numba.dispatch.basic import (
+        numba_funcify_and_cache_key,
+        register_funcify_and_cache_key,
+    )
+
+    @numba_basic.numba_njit
+    def aside(value, own, addresses):
+        at = value.ctypes.data
+        if at != own.ctypes.data:
+            for other in addresses:
+                if other == at:
+                    return value.copy()
+        return value
+
+    @numba_basic.numba_njit
+    def store0(dst, src):
+        if dst.ctypes.data != src.ctypes.data:
+            dst[()] = src[()]
+
+    @numba_basic.numba_njit
+    def store(dst, src):
+        if dst.ctypes.data != src.ctypes.data:
+            dst[...] = src
+
+    @register_funcify_and_cache_key(LazyStep)
+    def numba_funcify_LazyStep(op, node=None, **kwargs):
+        kwargs.pop("storage_map", None)
+        fgraph = op.fgraph.clone()
+        specs = [In(v, borrow=True, mutable=i < op.n_states)
+                 for i, v in enumerate(fgraph.inputs)]
+        add_supervisor_to_fgraph(fgraph=fgraph, input_specs=specs, accept_inplace=True)
+        NUMBA.optimizer(fgraph)
+        insert_deepcopy(fgraph, wrapped_inputs=specs,
+                        wrapped_outputs=[Out(o, borrow=True) for o in fgraph.outputs])
+        inner, inner_key = numba_funcify_and_cache_key(
+            fgraph, squeeze_output=False, fgraph_name="lazy_step_inner", **kwargs)
+        n = op.n_states
+        args = [f"a{i}" for i in range(len(fgraph.inputs))]
+        # in place, the inner graph may have written state i's new value into state
+        # j's buffer: take those values aside (aside) before any store
+        asides = "\n".join(f"        n{i} = aside(new[{i}], a{i}, addresses)" for i in range(n))
+        stores = "\n".join(f"        store{'0' if fgraph.inputs[i].type.ndim == 0 else ''}"
+                           f"(a{i}, n{i})" for i in range(n))
+        returns = ", ".join(args[:n]) + ("," if n == 1 else "")
+        addresses = ", ".join(f"a{i}.ctypes.data" for i in range(n)) + ("," if n == 1 else "")
+        src = (f"def lazy_step(cond, {', '.join(args)}):\n"
+               f"    if cond:\n"
+               f"        new = inner({', '.join(args)})\n"
+               f"        addresses = ({addresses})\n"
+               f"{asides}\n"
+               f"{stores}\n"
+               f"    return {args[0] if n == 1 else returns}\n")
+        fn = numba_basic.numba_njit(compile_numba_function_src(
+            src, "lazy_step", {"inner": inner, "store": store, "store0": store0, "aside": aside}))
+        key = None if inner_key is None else sha256(
+            str(("lasagne_accum.LazyStep", n, inner_key, _SOURCE_KEY)).encode()).hexdigest()
+        return fn, key
+
+    _registered.add("numba-lazy")

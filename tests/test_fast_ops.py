@@ -1,0 +1,297 @@
+"""The Numba fast paths of ``lasagne_accum.fast_ops`` compute what the plain graph computes.
+
+References are numpy re-derivations in float64 (``b * z + a * x @ y``); the
+compiled graphs are inspected for the in-place ``Gemm`` that replaces
+``acc + dot`` in the Numba backend.
+"""
+
+import tracemalloc
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+from pytensor.compile.mode import get_mode
+from pytensor.tensor.blas import Gemm, gemm_no_inplace
+
+import lasagne_accum as la
+
+DTYPES = ["float32", "float64"]
+MODES = ["NUMBA", "CVM"]
+TOL = {"float32": 2e-6, "float64": 1e-14}
+
+
+def _close(got, want, dtype, tol=None, what=""):
+    """Relative to the array's scale (float32 sums of 20 products round at ~1e-7)."""
+    tol = tol or TOL[dtype]
+    want = np.asarray(want, dtype=np.float64)
+    scale = float(np.max(np.abs(want))) or 1.0
+    np.testing.assert_allclose(np.asarray(got, dtype=np.float64), want, rtol=tol,
+                               atol=tol * scale, err_msg=what)
+
+
+def _gemm_nodes(fn):
+    return [n for n in fn.maker.fgraph.toposort() if isinstance(n.op, Gemm)]
+
+
+def _destroyed_inputs(fn):
+    """Names of the shared variables that some node of `fn` writes in place."""
+    fg = fn.maker.fgraph
+    names = {fg.inputs[k]: i.variable.name for k, i in enumerate(fn.maker.inputs)}
+    out = set()
+    for node in fg.toposort():
+        for destroyed in getattr(node.op, "destroy_map", {}).values():
+            out.update(names.get(node.inputs[j]) for j in destroyed)
+    return out - {None}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_accumulate_is_an_inplace_gemm_and_exact(dtype, mode):
+    rng = np.random.default_rng(0)
+    x = pt.matrix("x", dtype=dtype)
+    d = pt.matrix("d", dtype=dtype)
+    acc0 = rng.standard_normal((7, 5)).astype(dtype)
+    acc = pytensor.shared(acc0.copy(), name="acc")
+    f = pytensor.function([x, d], [], updates={acc: acc + x.T @ d}, mode=mode)
+    gemms = _gemm_nodes(f)
+    assert [str(n.op) for n in gemms] == ["Gemm{inplace}"]
+    assert _destroyed_inputs(f) == {"acc"}
+    want = acc0.astype(np.float64)
+    address = acc.get_value(borrow=True).ctypes.data
+    for _ in range(3):
+        xv = rng.standard_normal((20, 7)).astype(dtype)
+        dv = rng.standard_normal((20, 5)).astype(dtype)
+        f(xv, dv)
+        want = want + xv.astype(np.float64).T @ dv.astype(np.float64)
+    got = acc.get_value(borrow=True)
+    assert got.dtype == dtype
+    assert got.ctypes.data == address  # written into the same buffer every call
+    _close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scaled_accumulation_forms_become_gemm(dtype):
+    """``keep * acc + w * dot`` (the lazy reset, a weighted batch) folds into one Gemm."""
+    rng = np.random.default_rng(1)
+    x = pt.matrix("x", dtype=dtype)
+    d = pt.matrix("d", dtype=dtype)
+    keep = pt.scalar("keep", dtype=dtype)
+    w = pt.scalar("w", dtype=dtype)
+    acc0 = rng.standard_normal((6, 4)).astype(dtype)
+    acc = pytensor.shared(acc0.copy(), name="acc")
+    f = pytensor.function([x, d, keep, w], [], updates={acc: keep * acc + w * (x @ d)},
+                          mode="NUMBA")
+    assert [str(n.op) for n in _gemm_nodes(f)] == ["Gemm{inplace}"]
+    want = acc0.astype(np.float64)
+    for k, wt in ((1.0, 0.5), (0.0, 2.0), (1.0, -3.0), (0.25, 1.0)):
+        xv = rng.standard_normal((6, 9)).astype(dtype)
+        dv = rng.standard_normal((9, 4)).astype(dtype)
+        f(xv, dv, k, wt)
+        want = k * want + wt * (xv.astype(np.float64) @ dv.astype(np.float64))
+        _close(acc.get_value(), want, dtype)
+
+
+def _layouts(a):
+    """`a` (2-d) as C-contiguous, Fortran, transposed-view and strided-view arrays."""
+    big = np.zeros((a.shape[0] * 2, a.shape[1] * 3), a.dtype)
+    big[::2, ::3] = a
+    return {"C": np.ascontiguousarray(a), "F": np.asfortranarray(a),
+            "T": np.ascontiguousarray(a.T).T, "strided": big[::2, ::3]}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_numba_gemm_every_layout_and_scale(dtype):
+    """The Numba Gemm against numpy for each input layout and alpha/beta."""
+    rng = np.random.default_rng(2)
+    z, x, y = (pt.matrix(n, dtype=dtype) for n in "zxy")
+    a, b = pt.scalar("a", dtype=dtype), pt.scalar("b", dtype=dtype)
+    f = pytensor.function([z, a, x, y, b], gemm_no_inplace(z, a, x, y, b), mode="NUMBA")
+    assert _gemm_nodes(f)
+    zv = rng.standard_normal((5, 3)).astype(dtype)
+    xv = rng.standard_normal((5, 4)).astype(dtype)
+    yv = rng.standard_normal((4, 3)).astype(dtype)
+    for (lz, zl), (lx, xl), (ly, yl) in zip(_layouts(zv).items(), _layouts(xv).items(),
+                                            list(_layouts(yv).items())[::-1]):
+        for alpha, beta in ((1.0, 1.0), (-0.5, 0.0), (2.0, 0.75)):
+            before = zl.copy()
+            got = f(zl, alpha, xl, yl, beta)
+            want = beta * zv.astype(np.float64) + alpha * (xv.astype(np.float64)
+                                                           @ yv.astype(np.float64))
+            assert got.dtype == dtype, (lz, lx, ly)
+            _close(got, want, dtype)
+            assert np.array_equal(zl, before)  # the non-inplace Gemm leaves z alone
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_numba_accumulate_step_matches_c_and_plain_numba(dtype):
+    """The library's accumulate step: NUMBA with Gemm == NUMBA without it == C."""
+    rng = np.random.default_rng(3)
+    data = [(rng.standard_normal((8, 6)).astype(dtype), rng.integers(0, 3, 8))
+            for _ in range(3)]
+    plain_numba = get_mode("NUMBA").excluding("lasagne_accum_numba_gemm")
+    results = {}
+    for name, mode in (("numba", "NUMBA"), ("plain", plain_numba), ("c", "CVM")):
+        W = pytensor.shared(np.linspace(-1, 1, 18).reshape(6, 3).astype(dtype), name="W")
+        x = pt.matrix("x", dtype=dtype)
+        y = pt.vector("y", dtype="int64")
+        logits = pt.tanh(x @ W)
+        loss = -(logits - pt.logsumexp(logits, axis=1, keepdims=True))[
+            pt.arange(y.shape[0]), y].mean()
+        accu = la.accumulate_gradients(loss, [W])
+        f = pytensor.function([x, y], loss, updates=accu.accumulate, mode=mode)
+        if name != "plain":
+            assert "W.grad_accu" in _destroyed_inputs(f)
+            assert any(str(n.op) == "Gemm{inplace}" for n in _gemm_nodes(f)), name
+        else:
+            assert not _gemm_nodes(f)
+        for xv, yv in data:
+            f(xv, yv)
+        results[name] = accu.accumulators[0].get_value()
+    # numpy reference of the summed gradient
+    want = np.zeros((6, 3))
+    Wv = np.linspace(-1, 1, 18).reshape(6, 3).astype(dtype).astype(np.float64)
+    for xv, yv in data:
+        xv = xv.astype(np.float64)
+        t = np.tanh(xv @ Wv)
+        p = np.exp(t - t.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        p[np.arange(len(yv)), yv] -= 1
+        want += xv.T @ (p / len(yv) * (1 - t ** 2))
+    for name, got in results.items():
+        assert got.dtype == dtype, name
+        # float32: the model's own float32 arithmetic (tanh, softmax) differs from
+        # the float64 reference by ~1e-6; the backends agree with each other closer
+        _close(got, want, dtype, tol=1e-5 if dtype == "float32" else None, what=name)
+        _close(got, results["c"], dtype, what=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_numba_accumulate_allocates_no_buffer_sized_array(dtype):
+    """tracemalloc sees numpy's and Numba's allocations: the Gemm call makes none
+    of the accumulator's size; the plain Numba graph (product, then add) does."""
+    rng = np.random.default_rng(4)
+    xv = rng.standard_normal((16, 400)).astype(dtype)
+    dv = rng.standard_normal((16, 300)).astype(dtype)
+    peaks = {}
+    for name, mode in (("gemm", "NUMBA"),
+                       ("plain", get_mode("NUMBA").excluding("lasagne_accum_numba_gemm"))):
+        acc = pytensor.shared(np.zeros((400, 300), dtype), name="acc")
+        x = pt.matrix("x", dtype=dtype)
+        d = pt.matrix("d", dtype=dtype)
+        f = pytensor.function([x, d], [], updates={acc: acc + x.T @ d}, mode=mode)
+        f(xv, dv)
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            f(xv, dv)
+            peaks[name] = tracemalloc.get_traced_memory()[1] - before
+        finally:
+            tracemalloc.stop()
+        _close(acc.get_value(), 2 * xv.astype(np.float64).T @ dv.astype(np.float64), dtype)
+    nbytes = 400 * 300 * np.dtype(dtype).itemsize
+    assert peaks["plain"] >= nbytes  # the measurement sees the product's temporary
+    assert peaks["gemm"] < nbytes // 10
+
+
+def test_gemm_rewrite_is_numba_only():
+    """The C backend keeps its own pass; JAX-style and Python modes get no Gemm from us."""
+    x = pt.matrix("x")
+    acc = pytensor.shared(np.zeros((3, 3)), name="acc")
+    f = pytensor.function([x], [], updates={acc: acc + x @ x}, mode="FAST_COMPILE")
+    assert not _gemm_nodes(f)
+
+
+# --------------------------------------------------------------------------
+# LazyStep: the single-function form's rule runs in place, on stepping calls only
+# --------------------------------------------------------------------------
+PLAIN_LAZY = ("lasagne_accum_lazy_step_c", "lasagne_accum_lazy_step_numba")
+
+
+def _adam_reference(W0, batches, every, lr, b1=0.9, b2=0.999, eps=1e-8):
+    """numpy: mean gradient of `every` calls of 0.5 * ||x W - y||^2, then Lasagne's adam."""
+    W, m, v, t, window = W0.astype(np.float64), 0.0, 0.0, 0, []
+    trace = []
+    for x, y in batches:
+        x, y = x.astype(np.float64), y.astype(np.float64)
+        window.append(x.T @ (x @ W - y))
+        if len(window) == every:
+            g = sum(window) / every
+            window = []
+            t += 1
+            a = lr * np.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+            m = b1 * m + (1 - b1) * g
+            v = b2 * v + (1 - b2) * g ** 2
+            W = W - a * m / (np.sqrt(v) + eps)
+        trace.append(W)
+    return trace
+
+
+def _lazy_model(dtype, mode, lazy_rewrite=True):
+    W = pytensor.shared(np.linspace(-1, 1, 12).reshape(4, 3).astype(dtype), name="W")
+    x = pt.matrix("x", dtype=dtype)
+    y = pt.matrix("y", dtype=dtype)
+    loss = 0.5 * ((x @ W - y) ** 2).sum()
+    upd = la.adam(loss, [W], learning_rate=0.05, average=3)
+    m = get_mode(mode) if lazy_rewrite else get_mode(mode).excluding(*PLAIN_LAZY)
+    return W, pytensor.function([x, y], loss, updates=upd, mode=m)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lazy_step_replaces_ifelse_and_is_exact(dtype, mode):
+    rng = np.random.default_rng(5)
+    batches = [(rng.standard_normal((5, 4)).astype(dtype),
+                rng.standard_normal((5, 3)).astype(dtype)) for _ in range(7)]
+    W, f = _lazy_model(dtype, mode)
+    ops = {type(n.op).__name__ for n in f.maker.fgraph.toposort()}
+    assert "LazyStep" in ops and "IfElse" not in ops
+    W_plain, f_plain = _lazy_model(dtype, mode, lazy_rewrite=False)
+    assert "IfElse" in {type(n.op).__name__ for n in f_plain.maker.fgraph.toposort()}
+    want = _adam_reference(W.get_value(), batches, 3, 0.05)
+    address = W.get_value(borrow=True).ctypes.data
+    for i, (xb, yb) in enumerate(batches):
+        before = W.get_value()
+        f(xb, yb)
+        f_plain(xb, yb)
+        got = W.get_value(borrow=True)
+        assert got.dtype == dtype
+        assert got.ctypes.data == address  # stepping calls write into W's own buffer
+        if (i + 1) % 3:
+            assert np.array_equal(got, before)  # no step: nothing changed
+        _close(got, want[i], dtype, tol=1e-5 if dtype == "float32" else 1e-12)
+        _close(got, W_plain.get_value(), dtype)  # the same as PyTensor's IfElse
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lazy_step_op_on_its_own(dtype):
+    """LazyStep's C-thunk path (perform) and the Numba one, against numpy, both branches."""
+    from pytensor.graph.fg import FunctionGraph
+
+    from lasagne_accum.fast_ops import LazyStep
+
+    s_in, g_in = pt.vector(dtype=dtype), pt.vector(dtype=dtype)
+    op = LazyStep(FunctionGraph([s_in, g_in], [s_in * 0.5 - g_in], clone=False), 1)
+    for mode in MODES:
+        state = pytensor.shared(np.arange(4.0).astype(dtype), name="s")
+        cond = pt.scalar("c", dtype="bool")
+        g = pt.vector("g", dtype=dtype)
+        f = pytensor.function([cond, g], [], updates={state: op(cond, state, g)}, mode=mode,
+                              accept_inplace=True)
+        gv = np.full(4, 0.25, dtype)
+        f(False, gv)
+        np.testing.assert_array_equal(state.get_value(), np.arange(4.0))
+        f(True, gv)
+        _close(state.get_value(), np.arange(4.0) * 0.5 - 0.25, dtype, what=mode)
+
+
+def test_lazy_step_is_c_and_numba_only():
+    jax = pytest.importorskip("jax")  # noqa: F841
+    W, _ = _lazy_model("float64", "CVM")
+    x = pt.matrix("x")
+    y = pt.matrix("y")
+    loss = 0.5 * ((x @ W - y) ** 2).sum()
+    f = pytensor.function([x, y], loss, updates=la.adam(loss, [W], 0.05, average=3), mode="JAX")
+    ops = {type(n.op).__name__ for n in f.maker.fgraph.toposort()}
+    assert "LazyStep" not in ops and "IfElse" in ops
