@@ -206,6 +206,7 @@ def test_digits_cnn_on_mnist_files(tmp_path, capsys):
 # ---------------------------------------------------- large_batch_small_memory
 
 
+@pytest.mark.real_backend   # compares the peak memory of compiled steps
 def test_large_batch_small_memory(tmp_path, capsys):
     r = large_batch_small_memory.main(FAST + ["--model", "mlp", "--n", "1,4", "--batch-size", "16",
                                               "--steps", "2", "--out", str(tmp_path)])
