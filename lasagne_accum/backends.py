@@ -31,7 +31,7 @@ import sys
 
 __all__ = ["register_c_fixes", "register_jax_fixes", "register_pytorch_fixes"]
 
-_registered = set()
+_registered: set[str] = set()
 
 
 def register_c_fixes():
