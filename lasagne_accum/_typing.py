@@ -7,6 +7,7 @@ runtime and PyTensor's classes cost nothing in the hints.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from typing import Any, Callable, Mapping, Sequence, Union
 
@@ -23,6 +24,7 @@ __all__ = [
     "UpdatesLike",
     "UpdateRule",
     "Exclude",
+    "PathLike",
 ]
 
 #: The parameters a rule updates: shared variables.
@@ -41,3 +43,5 @@ UpdatesLike = Mapping[SharedVariable, Variable]
 UpdateRule = Callable[..., Any]
 #: Parameters left out of weight decay: a list of them or a predicate.
 Exclude = Union[Sequence[SharedVariable], Callable[[SharedVariable], bool]]
+#: A file path.
+PathLike = Union[str, "os.PathLike[str]"]

@@ -13,9 +13,12 @@ returned) with :func:`rule_name`, and :func:`as_host_array` (a shared value
 as numpy, JAX and torch arrays included).
 """
 
+from __future__ import annotations
+
 import numbers
 from collections import OrderedDict
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytensor
@@ -25,6 +28,9 @@ from pytensor.gradient import DisconnectedInputError
 from pytensor.graph.traversal import ancestors
 from pytensor.tensor.type import TensorType
 from pytensor.tensor.variable import TensorVariable
+
+if TYPE_CHECKING:
+    from ._typing import LossOrGrads, Params
 
 __all__ = [
     "get_or_compute_grads",
@@ -275,7 +281,7 @@ def _check_grad(grad, param, i):
     return grad
 
 
-def get_or_compute_grads(loss_or_grads, params):
+def get_or_compute_grads(loss_or_grads: LossOrGrads, params: Params) -> list[TensorVariable]:
     """Return a list of gradient expressions, one per parameter.
 
     Parameters
