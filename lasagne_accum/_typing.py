@@ -35,10 +35,11 @@ LossOrGrads = Union[Variable, Sequence[Variable]]
 Scalar = Union[float, Variable]
 #: A learning rate: a number, a symbolic scalar or a schedule of the optimizer step.
 LearningRate = Union[float, Variable, Callable[[TensorVariable], Any]]
-#: What every rule returns: each shared variable mapped to its new value.
-Updates = OrderedDict[SharedVariable, Variable]
-#: Updates as input: any mapping (or the items of one).
-UpdatesLike = Mapping[SharedVariable, Variable]
+#: What every rule returns: each shared variable mapped to its new value (keyed by
+#: ``Variable``, as ``pytensor.function(updates=...)`` is typed: dict keys are invariant).
+Updates = OrderedDict[Variable, Variable]
+#: Updates as input: a mapping of shared variables to their new values.
+UpdatesLike = Mapping[Any, Variable]
 #: An update rule, or a partial of one: ``rule(loss_or_grads, params, **kwargs)``.
 UpdateRule = Callable[..., Any]
 #: Parameters left out of weight decay: a list of them or a predicate.

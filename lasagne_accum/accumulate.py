@@ -84,7 +84,7 @@ def reset(variables: SharedVariable | Iterable[SharedVariable]) -> Updates:
     """
     if isinstance(variables, SharedVariable):
         variables = [variables]
-    out = OrderedDict()
+    out: Updates = OrderedDict()
     for i, var in enumerate(variables):
         if not isinstance(var, SharedVariable):
             raise TypeError(

@@ -222,7 +222,7 @@ def with_accumulated_gradients(
         # IfElse hands its first branch through as a view and copies the
         # second: the unchanged values go first, so a non-stepping call
         # copies nothing, and the rule's graph runs on stepping calls only.
-        chosen = ifelse(pt.neq(c_new, every), list(variables), new_values)
+        chosen: Any = ifelse(pt.neq(c_new, every), list(variables), new_values)
         if not isinstance(chosen, (list, tuple)):
             chosen = [chosen]
     else:

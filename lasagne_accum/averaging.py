@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from contextlib import AbstractContextManager
     from typing import Callable
 
-    from pytensor.compile.sharedvalue import SharedVariable
+    from pytensor.tensor.sharedvar import TensorSharedVariable
     from pytensor.graph.basic import Variable
 
     from ._typing import Params, Scalar, UpdatesLike
@@ -124,7 +124,7 @@ class _SwappableAverage:
     """apply()/restore() over averages computed by a subclass's `_averages()`."""
 
     # set by the subclasses
-    num_updates: SharedVariable
+    num_updates: TensorSharedVariable
     _averages: Callable[[], list[np.ndarray]]
 
     def __init__(self, params, updates, name, host_mode=None, is_step=None):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numbers
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import pytensor
@@ -30,6 +30,8 @@ from pytensor.tensor.type import TensorType
 from pytensor.tensor.variable import TensorVariable
 
 if TYPE_CHECKING:
+    from pytensor.graph.basic import Variable
+
     from ._typing import LossOrGrads, Params
 
 __all__ = [
@@ -343,7 +345,7 @@ def get_or_compute_grads(loss_or_grads: LossOrGrads, params: Params) -> list[Ten
             f"{ndim}-dimensional {loss_or_grads.type} (the loss must be a scalar): {hint}"
         )
     try:
-        grads = pytensor.grad(loss_or_grads, params)
+        grads = cast("list[Variable]", pytensor.grad(loss_or_grads, params))
     except DisconnectedInputError:
         inputs = set(ancestors([loss_or_grads]))
         loose = [f"params[{i}] ({param_label(p, i)})" for i, p in enumerate(params)
