@@ -36,7 +36,7 @@ from .accumulate import _GradientBuffer
 from .grads import check_every, check_params, check_rule_updates, get_or_compute_grads
 
 if TYPE_CHECKING:
-    from ._typing import LossOrGrads, Params, Scalar, UpdateRule
+    from ._typing import LossOrGrads, Params, Scalar, UpdateRule, Updates
 
 __all__ = ["with_accumulated_gradients", "SteppingUpdates"]
 
@@ -81,7 +81,7 @@ def with_accumulated_gradients(
     lazy: bool = True,
     name: str = "average",
     **kwargs: Any,
-) -> SteppingUpdates:
+) -> Updates:
     """Wrap any update rule so that it steps once every `every` calls.
 
     Per call of the compiled function (``c`` counts the batches accumulated

@@ -27,7 +27,7 @@ def norm_constraint(
     tensor_var: Variable,
     max_norm: Scalar,
     norm_axes: int | Sequence[int] | None = None,
-    epsilon: float = 1e-7,
+    epsilon: Scalar = 1e-7,
 ) -> TensorVariable:
     """Max weight norm constraint: rescale slices whose norm exceeds `max_norm`.
 
@@ -111,7 +111,7 @@ def norm_constraint(
 def total_norm_constraint(
     tensor_vars: Sequence[Variable],
     max_norm: Scalar,
-    epsilon: float = 1e-7,
+    epsilon: Scalar = 1e-7,
     return_norm: bool = False,
 ) -> list[TensorVariable] | tuple[list[TensorVariable], TensorVariable]:
     """Rescale a list of tensors so that their joint L2 norm is at most `max_norm`.

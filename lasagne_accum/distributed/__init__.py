@@ -254,8 +254,10 @@ def train(
                             round_timeout=round_timeout, on_timeout=on_timeout,
                             compile_mode=compile_mode, keep_log=keep_log,
                             wait_timeout=wait_timeout)
-    run: dict[str, Any] = dict(accumulate=accumulate, model_kwargs=model_kwargs, compile_mode=compile_mode,
-               snapshot_interval=snapshot_interval)
+    run: dict[str, Any] = dict(
+        accumulate=accumulate, model_kwargs=model_kwargs, compile_mode=compile_mode,
+        snapshot_interval=snapshot_interval,
+    )
 
     if backend == "local":
         if server is None:

@@ -145,9 +145,10 @@ class Worker:
         round, applying) and ``push_s`` (each push call's seconds).
         The worker unregisters at the end, also when it fails.
         """
-        report: dict[str, Any] = dict(worker=self.worker_id, pushes=0, batches=0, examples=0.0, bytes=0,
-                      duplicates=0, losses=[], staleness=[], compile_s=self.compile_seconds,
-                      server_s=0.0, push_s=[])
+        report: dict[str, Any] = dict(
+            worker=self.worker_id, pushes=0, batches=0, examples=0.0, bytes=0, duplicates=0,
+            losses=[], staleness=[], compile_s=self.compile_seconds, server_s=0.0, push_s=[],
+        )
         try:
             if register:
                 self.version, values = self.server.register(self.worker_id)
