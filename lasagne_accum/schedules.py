@@ -494,6 +494,14 @@ class _Scaled(Schedule):
         return self.schedule(step) * self.factor
 
 
+@overload
+def linear_scaling(base_lr: float, base_batch_size: int, batch_size: int) -> float: ...
+@overload
+def linear_scaling(
+    base_lr: Callable[[Any], Any], base_batch_size: int, batch_size: int
+) -> Schedule: ...
+
+
 def linear_scaling(
     base_lr: float | Callable[[Any], Any],
     base_batch_size: int,

@@ -41,7 +41,7 @@ import functools
 import inspect
 from collections import OrderedDict
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, overload
 
 import numpy as np
 import pytensor.tensor as pt
@@ -210,6 +210,28 @@ def _sgd(grads, params, learning_rate, name=None, cast_back=True):
     return updates
 
 
+@overload
+def sgd(
+    loss_or_grads: None = None,
+    params: None = None,
+    learning_rate: LearningRate | None = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Callable[..., Updates]: ...
+@overload
+def sgd(
+    loss_or_grads: LossOrGrads,
+    params: Params,
+    learning_rate: LearningRate | None = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Updates: ...
+
+
 @_rule
 def sgd(
     loss_or_grads: LossOrGrads | None = None,
@@ -219,7 +241,7 @@ def sgd(
     average: int = 1,
     weight: Scalar | None = None,
     name: str | None = None,
-) -> Updates:
+) -> Updates | Callable[..., Updates]:
     """Stochastic Gradient Descent (SGD) updates.
 
     * ``param := param - learning_rate * gradient``
@@ -331,6 +353,30 @@ def apply_momentum(
     return result
 
 
+@overload
+def momentum(
+    loss_or_grads: None = None,
+    params: None = None,
+    learning_rate: LearningRate | None = ...,
+    momentum: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Callable[..., Updates]: ...
+@overload
+def momentum(
+    loss_or_grads: LossOrGrads,
+    params: Params,
+    learning_rate: LearningRate | None = ...,
+    momentum: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Updates: ...
+
+
 @_rule
 def momentum(
     loss_or_grads: LossOrGrads | None = None,
@@ -341,7 +387,7 @@ def momentum(
     average: int = 1,
     weight: Scalar | None = None,
     name: str | None = None,
-) -> Updates:
+) -> Updates | Callable[..., Updates]:
     """Stochastic Gradient Descent (SGD) updates with momentum.
 
     * ``velocity := momentum * velocity - learning_rate * gradient``
@@ -465,6 +511,30 @@ def apply_nesterov_momentum(
     return result
 
 
+@overload
+def nesterov_momentum(
+    loss_or_grads: None = None,
+    params: None = None,
+    learning_rate: LearningRate | None = ...,
+    momentum: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Callable[..., Updates]: ...
+@overload
+def nesterov_momentum(
+    loss_or_grads: LossOrGrads,
+    params: Params,
+    learning_rate: LearningRate | None = ...,
+    momentum: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Updates: ...
+
+
 @_rule
 def nesterov_momentum(
     loss_or_grads: LossOrGrads | None = None,
@@ -475,7 +545,7 @@ def nesterov_momentum(
     average: int = 1,
     weight: Scalar | None = None,
     name: str | None = None,
-) -> Updates:
+) -> Updates | Callable[..., Updates]:
     """Stochastic Gradient Descent (SGD) updates with Nesterov momentum.
 
     * ``velocity := momentum * velocity - learning_rate * gradient``
@@ -551,6 +621,30 @@ def _adagrad(grads, params, learning_rate, epsilon, name=None):
     return updates
 
 
+@overload
+def adagrad(
+    loss_or_grads: None = None,
+    params: None = None,
+    learning_rate: LearningRate = ...,
+    epsilon: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Callable[..., Updates]: ...
+@overload
+def adagrad(
+    loss_or_grads: LossOrGrads,
+    params: Params,
+    learning_rate: LearningRate = ...,
+    epsilon: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Updates: ...
+
+
 @_rule
 def adagrad(
     loss_or_grads: LossOrGrads | None = None,
@@ -561,7 +655,7 @@ def adagrad(
     average: int = 1,
     weight: Scalar | None = None,
     name: str | None = None,
-) -> Updates:
+) -> Updates | Callable[..., Updates]:
     """Adagrad updates.
 
     Scale learning rates by dividing with the square root of accumulated
@@ -639,6 +733,32 @@ def _rmsprop(grads, params, learning_rate, rho, epsilon, name=None):
     return updates
 
 
+@overload
+def rmsprop(
+    loss_or_grads: None = None,
+    params: None = None,
+    learning_rate: LearningRate = ...,
+    rho: Scalar = ...,
+    epsilon: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Callable[..., Updates]: ...
+@overload
+def rmsprop(
+    loss_or_grads: LossOrGrads,
+    params: Params,
+    learning_rate: LearningRate = ...,
+    rho: Scalar = ...,
+    epsilon: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Updates: ...
+
+
 @_rule
 def rmsprop(
     loss_or_grads: LossOrGrads | None = None,
@@ -650,7 +770,7 @@ def rmsprop(
     average: int = 1,
     weight: Scalar | None = None,
     name: str | None = None,
-) -> Updates:
+) -> Updates | Callable[..., Updates]:
     """RMSProp updates.
 
     Scale learning rates by dividing with the moving average of the root mean
@@ -732,6 +852,32 @@ def _adadelta(grads, params, learning_rate, rho, epsilon, name=None):
     return updates
 
 
+@overload
+def adadelta(
+    loss_or_grads: None = None,
+    params: None = None,
+    learning_rate: LearningRate = ...,
+    rho: Scalar = ...,
+    epsilon: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Callable[..., Updates]: ...
+@overload
+def adadelta(
+    loss_or_grads: LossOrGrads,
+    params: Params,
+    learning_rate: LearningRate = ...,
+    rho: Scalar = ...,
+    epsilon: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Updates: ...
+
+
 @_rule
 def adadelta(
     loss_or_grads: LossOrGrads | None = None,
@@ -743,7 +889,7 @@ def adadelta(
     average: int = 1,
     weight: Scalar | None = None,
     name: str | None = None,
-) -> Updates:
+) -> Updates | Callable[..., Updates]:
     """Adadelta updates.
 
     Scale learning rates by the ratio of accumulated gradients to accumulated
@@ -871,6 +1017,34 @@ def _amsgrad(grads, params, learning_rate, beta1, beta2, epsilon, name=None):
     return _adam_family(grads, params, learning_rate, beta1, beta2, epsilon, "amsgrad", name)
 
 
+@overload
+def adam(
+    loss_or_grads: None = None,
+    params: None = None,
+    learning_rate: LearningRate = ...,
+    beta1: Scalar = ...,
+    beta2: Scalar = ...,
+    epsilon: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Callable[..., Updates]: ...
+@overload
+def adam(
+    loss_or_grads: LossOrGrads,
+    params: Params,
+    learning_rate: LearningRate = ...,
+    beta1: Scalar = ...,
+    beta2: Scalar = ...,
+    epsilon: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Updates: ...
+
+
 @_rule
 def adam(
     loss_or_grads: LossOrGrads | None = None,
@@ -883,7 +1057,7 @@ def adam(
     average: int = 1,
     weight: Scalar | None = None,
     name: str | None = None,
-) -> Updates:
+) -> Updates | Callable[..., Updates]:
     """Adam updates.
 
     Adam updates implemented as in [1]_:
@@ -953,6 +1127,34 @@ def adam(
                   dict(learning_rate=learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon, name=name))
 
 
+@overload
+def adamax(
+    loss_or_grads: None = None,
+    params: None = None,
+    learning_rate: LearningRate = ...,
+    beta1: Scalar = ...,
+    beta2: Scalar = ...,
+    epsilon: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Callable[..., Updates]: ...
+@overload
+def adamax(
+    loss_or_grads: LossOrGrads,
+    params: Params,
+    learning_rate: LearningRate = ...,
+    beta1: Scalar = ...,
+    beta2: Scalar = ...,
+    epsilon: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Updates: ...
+
+
 @_rule
 def adamax(
     loss_or_grads: LossOrGrads | None = None,
@@ -965,7 +1167,7 @@ def adamax(
     average: int = 1,
     weight: Scalar | None = None,
     name: str | None = None,
-) -> Updates:
+) -> Updates | Callable[..., Updates]:
     """Adamax updates.
 
     Adamax updates implemented as in [1]_. This is a variant of the Adam
@@ -1028,6 +1230,34 @@ def adamax(
                   dict(learning_rate=learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon, name=name))
 
 
+@overload
+def amsgrad(
+    loss_or_grads: None = None,
+    params: None = None,
+    learning_rate: LearningRate = ...,
+    beta1: Scalar = ...,
+    beta2: Scalar = ...,
+    epsilon: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Callable[..., Updates]: ...
+@overload
+def amsgrad(
+    loss_or_grads: LossOrGrads,
+    params: Params,
+    learning_rate: LearningRate = ...,
+    beta1: Scalar = ...,
+    beta2: Scalar = ...,
+    epsilon: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Updates: ...
+
+
 @_rule
 def amsgrad(
     loss_or_grads: LossOrGrads | None = None,
@@ -1040,7 +1270,7 @@ def amsgrad(
     average: int = 1,
     weight: Scalar | None = None,
     name: str | None = None,
-) -> Updates:
+) -> Updates | Callable[..., Updates]:
     """AMSGrad updates.
 
     AMSGrad updates implemented as in [1]_: Adam with the maximum of all
@@ -1308,6 +1538,38 @@ def _adamw(grads, params, learning_rate, beta1, beta2, epsilon, weight_decay, ex
     return updates
 
 
+@overload
+def adamw(
+    loss_or_grads: None = None,
+    params: None = None,
+    learning_rate: LearningRate = ...,
+    beta1: Scalar = ...,
+    beta2: Scalar = ...,
+    epsilon: Scalar = ...,
+    weight_decay: Scalar = ...,
+    *,
+    exclude: Exclude | None = ...,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Callable[..., Updates]: ...
+@overload
+def adamw(
+    loss_or_grads: LossOrGrads,
+    params: Params,
+    learning_rate: LearningRate = ...,
+    beta1: Scalar = ...,
+    beta2: Scalar = ...,
+    epsilon: Scalar = ...,
+    weight_decay: Scalar = ...,
+    *,
+    exclude: Exclude | None = ...,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Updates: ...
+
+
 @_rule
 def adamw(
     loss_or_grads: LossOrGrads | None = None,
@@ -1322,7 +1584,7 @@ def adamw(
     average: int = 1,
     weight: Scalar | None = None,
     name: str | None = None,
-) -> Updates:
+) -> Updates | Callable[..., Updates]:
     """AdamW updates: Adam with decoupled weight decay.
 
     AdamW as in [1]_ and ``optax.adamw``: bias-corrected moments, epsilon
@@ -1440,6 +1702,40 @@ def _lars(grads, params, learning_rate, momentum, weight_decay, trust_coefficien
     return updates
 
 
+@overload
+def lars(
+    loss_or_grads: None = None,
+    params: None = None,
+    learning_rate: LearningRate | None = ...,
+    momentum: Scalar = ...,
+    weight_decay: Scalar = ...,
+    trust_coefficient: Scalar = ...,
+    eps: Scalar = ...,
+    nesterov: bool = ...,
+    *,
+    exclude: Exclude | None = ...,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Callable[..., Updates]: ...
+@overload
+def lars(
+    loss_or_grads: LossOrGrads,
+    params: Params,
+    learning_rate: LearningRate | None = ...,
+    momentum: Scalar = ...,
+    weight_decay: Scalar = ...,
+    trust_coefficient: Scalar = ...,
+    eps: Scalar = ...,
+    nesterov: bool = ...,
+    *,
+    exclude: Exclude | None = ...,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Updates: ...
+
+
 @_rule
 def lars(
     loss_or_grads: LossOrGrads | None = None,
@@ -1455,7 +1751,7 @@ def lars(
     average: int = 1,
     weight: Scalar | None = None,
     name: str | None = None,
-) -> Updates:
+) -> Updates | Callable[..., Updates]:
     """LARS updates: SGD with momentum and layer-wise trust ratios.
 
     Layer-wise Adaptive Rate Scaling as in [1]_ and ``optax.lars``. Per
@@ -1568,6 +1864,38 @@ def _lamb(grads, params, learning_rate, beta1, beta2, epsilon, weight_decay, exc
     return updates
 
 
+@overload
+def lamb(
+    loss_or_grads: None = None,
+    params: None = None,
+    learning_rate: LearningRate = ...,
+    beta1: Scalar = ...,
+    beta2: Scalar = ...,
+    epsilon: Scalar = ...,
+    weight_decay: Scalar = ...,
+    *,
+    exclude: Exclude | None = ...,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Callable[..., Updates]: ...
+@overload
+def lamb(
+    loss_or_grads: LossOrGrads,
+    params: Params,
+    learning_rate: LearningRate = ...,
+    beta1: Scalar = ...,
+    beta2: Scalar = ...,
+    epsilon: Scalar = ...,
+    weight_decay: Scalar = ...,
+    *,
+    exclude: Exclude | None = ...,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Updates: ...
+
+
 @_rule
 def lamb(
     loss_or_grads: LossOrGrads | None = None,
@@ -1582,7 +1910,7 @@ def lamb(
     average: int = 1,
     weight: Scalar | None = None,
     name: str | None = None,
-) -> Updates:
+) -> Updates | Callable[..., Updates]:
     """LAMB updates: Adam directions with layer-wise trust ratios.
 
     LAMB as in [1]_ and ``optax.lamb``. Per parameter (``||.||`` is the norm
