@@ -277,7 +277,7 @@ class Accumulation(tuple):
     # set by __new__ from accumulate_gradients()
     grads: AccumulatedGrads
     norm: TensorVariable | None
-    count: SharedVariable  # type: ignore[assignment]  # shadows tuple.count
+    count: SharedVariable  # type: ignore[assignment, unused-ignore]  # shadows tuple.count
     total: SharedVariable
     skipped: SharedVariable | None
     accumulators: list[SharedVariable]

@@ -129,7 +129,7 @@ class Schedule:
     @overload
     def __call__(self, step: Variable) -> TensorVariable: ...
 
-    def __call__(self, step: float | np.ndarray | Variable) -> float | np.ndarray | TensorVariable:
+    def __call__(self, step: Any) -> Any:  # typed by the overloads above
         if isinstance(step, Variable):
             dtype = getattr(step.type, "dtype", "")
             if not (dtype.startswith("int") or dtype.startswith("uint")
@@ -147,7 +147,7 @@ class Schedule:
             raise TypeError("step must be a number or a symbolic scalar, got a bool")
         if isinstance(step, (numbers.Real, np.number)) or isinstance(step, np.ndarray):
             out = np.asarray(self._value(_NumpyOps.as_float(step), _NumpyOps), dtype="float64")
-            if np.ndim(step) > 0:  # type: ignore[arg-type]
+            if np.ndim(step) > 0:  # type: ignore[arg-type]  # numbers.Real is not ArrayLike
                 return out + np.zeros(np.shape(step))  # type: ignore[arg-type]
             return float(out)
         raise TypeError(
