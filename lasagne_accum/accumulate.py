@@ -22,7 +22,10 @@ non-finite check, mean and clipping with one private core,
 :class:`_GradientBuffer`.
 """
 
+from __future__ import annotations
+
 from collections import OrderedDict
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 import pytensor.tensor as pt
@@ -39,13 +42,18 @@ from .grads import (
     state_like,
 )
 
+if TYPE_CHECKING:
+    from pytensor.tensor.variable import TensorVariable
+
+    from ._typing import LossOrGrads, Params, Scalar, Updates, UpdatesLike
+
 _ZERO_INT = np.int64(0)
 
 __all__ = ["accumulate_gradients", "reset", "Accumulation", "AccumulateUpdates",
            "AccumulatedGrads"]
 
 
-def reset(variables):
+def reset(variables: SharedVariable | Iterable[SharedVariable]) -> Updates:
     """Return an update dictionary that sets every variable to zero.
 
     Parameters
@@ -76,7 +84,7 @@ def reset(variables):
     """
     if isinstance(variables, SharedVariable):
         variables = [variables]
-    out = OrderedDict()
+    out: Updates = OrderedDict()
     for i, var in enumerate(variables):
         if not isinstance(var, SharedVariable):
             raise TypeError(
@@ -193,7 +201,7 @@ class AccumulatedGrads(list):
     nothing.
     """
 
-    accumulation = None
+    accumulation: Accumulation | None = None
 
 
 class AccumulateUpdates(OrderedDict):
@@ -212,21 +220,21 @@ class AccumulateUpdates(OrderedDict):
         As on :class:`Accumulation`.
     """
 
-    accumulation = None
+    accumulation: Accumulation = None  # type: ignore[assignment]  # set by Accumulation()
 
     @property
-    def grads(self):
+    def grads(self) -> AccumulatedGrads:
         return self.accumulation.grads
 
     @property
-    def count(self):
+    def count(self) -> SharedVariable:
         return self.accumulation.count
 
     @property
-    def is_step(self):
+    def is_step(self) -> TensorVariable:
         return self.accumulation.is_step
 
-    def guard(self, updates):
+    def guard(self, updates: UpdatesLike) -> Updates:
         """See :meth:`Accumulation.guard`."""
         return self.accumulation.guard(updates)
 
@@ -266,6 +274,15 @@ class Accumulation(tuple):
     params : list of shared variables
     """
 
+    # set by __new__ from accumulate_gradients()
+    grads: AccumulatedGrads
+    norm: TensorVariable | None
+    count: SharedVariable  # type: ignore[assignment, unused-ignore]  # shadows tuple.count
+    total: SharedVariable
+    skipped: SharedVariable | None
+    accumulators: list[SharedVariable]
+    params: list[SharedVariable]
+
     def __new__(cls, accumulate, reset_updates, **attrs):
         self = super().__new__(cls, (accumulate, reset_updates))
         self.__dict__.update(attrs)
@@ -273,15 +290,15 @@ class Accumulation(tuple):
         return self
 
     @property
-    def accumulate(self):
+    def accumulate(self) -> AccumulateUpdates:
         return self[0]
 
     @property
-    def reset(self):
+    def reset(self) -> Updates:
         return self[1]
 
     @property
-    def is_step(self):
+    def is_step(self) -> TensorVariable:
         """The step signal of the apply function: ``count > 0`` (symbolic).
 
         Pass it as ``is_step=`` to :class:`lasagne_accum.ModelAverage` when its
@@ -292,7 +309,7 @@ class Accumulation(tuple):
             self.__dict__["_is_step"] = pt.gt(self.count, 0)
         return self.__dict__["_is_step"]
 
-    def guard(self, updates):
+    def guard(self, updates: UpdatesLike) -> Updates:
         """Make `updates` a no-op when nothing has been accumulated.
 
         Every update ``v: new`` becomes ``v: switch(count > 0, new, v)``: an
@@ -326,8 +343,16 @@ class Accumulation(tuple):
         return out
 
 
-def accumulate_gradients(loss_or_grads, params, *, average=True, weight=None,
-                         max_norm=None, skip_nonfinite=False, name="accumulate"):
+def accumulate_gradients(
+    loss_or_grads: LossOrGrads,
+    params: Params,
+    *,
+    average: bool = True,
+    weight: Scalar | None = None,
+    max_norm: Scalar | None = None,
+    skip_nonfinite: bool = False,
+    name: str = "accumulate",
+) -> Accumulation:
     """Accumulate gradients over mini-batches for a later update.
 
     Returns the update dictionary of the per-batch function and the reset

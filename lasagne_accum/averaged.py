@@ -23,7 +23,10 @@ from the same private core as :func:`lasagne_accum.accumulate_gradients`
 same options and give the same numbers.
 """
 
+from __future__ import annotations
+
 from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytensor.tensor as pt
@@ -31,6 +34,9 @@ from pytensor.ifelse import ifelse
 
 from .accumulate import _GradientBuffer
 from .grads import check_every, check_params, check_rule_updates, get_or_compute_grads
+
+if TYPE_CHECKING:
+    from ._typing import LossOrGrads, Params, Scalar, UpdateRule, Updates
 
 __all__ = ["with_accumulated_gradients", "SteppingUpdates"]
 
@@ -62,9 +68,20 @@ class SteppingUpdates(OrderedDict):
     every = 1
 
 
-def with_accumulated_gradients(loss_or_grads, params, every, update_rule, *, weight=None,
-                               average=True, max_norm=None, skip_nonfinite=False, lazy=True,
-                               name="average", **kwargs):
+def with_accumulated_gradients(
+    loss_or_grads: LossOrGrads,
+    params: Params,
+    every: int,
+    update_rule: UpdateRule,
+    *,
+    weight: Scalar | None = None,
+    average: bool = True,
+    max_norm: Scalar | None = None,
+    skip_nonfinite: bool = False,
+    lazy: bool = True,
+    name: str = "average",
+    **kwargs: Any,
+) -> Updates:
     """Wrap any update rule so that it steps once every `every` calls.
 
     Per call of the compiled function (``c`` counts the batches accumulated
@@ -205,7 +222,7 @@ def with_accumulated_gradients(loss_or_grads, params, every, update_rule, *, wei
         # IfElse hands its first branch through as a view and copies the
         # second: the unchanged values go first, so a non-stepping call
         # copies nothing, and the rule's graph runs on stepping calls only.
-        chosen = ifelse(pt.neq(c_new, every), list(variables), new_values)
+        chosen: Any = ifelse(pt.neq(c_new, every), list(variables), new_values)
         if not isinstance(chosen, (list, tuple)):
             chosen = [chosen]
     else:

@@ -7,8 +7,11 @@ evaluation with :meth:`apply` and put the trained values back, bit for bit,
 from a backup copy with :meth:`restore`.
 """
 
+from __future__ import annotations
+
 import contextlib
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytensor.tensor as pt
@@ -23,12 +26,26 @@ from .grads import (
     state_like,
 )
 
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+    from typing import Callable
+
+    from pytensor.tensor.sharedvar import TensorSharedVariable
+    from pytensor.graph.basic import Variable
+
+    from ._typing import Params, Scalar, UpdatesLike
+
 __all__ = ["ModelAverage", "ExponentialMovingAverage", "step_signal"]
 
 _host = as_host_array
 
 
-def step_signal(updates, params, is_step=None, who="ModelAverage"):
+def step_signal(
+    updates: UpdatesLike | None,
+    params: Params,
+    is_step: Variable | bool | None = None,
+    who: str = "ModelAverage",
+) -> Variable | None:
     """When does an optimizer step happen? The condition an average is gated by.
 
     Parameters
@@ -106,6 +123,10 @@ def step_signal(updates, params, is_step=None, who="ModelAverage"):
 class _SwappableAverage:
     """apply()/restore() over averages computed by a subclass's `_averages()`."""
 
+    # set by the subclasses
+    num_updates: TensorSharedVariable
+    _averages: Callable[[], list[np.ndarray]]
+
     def __init__(self, params, updates, name, host_mode=None, is_step=None):
         self.params = check_params(params)
         self.host_mode = host_mode
@@ -150,7 +171,7 @@ class _SwappableAverage:
                                           mode=self.host_mode)
         return OrderedDict()
 
-    def step(self):
+    def step(self) -> None:
         """Advance the average by one optimizer step (only with `host_mode`).
 
         Copies the parameters' current values to the host and updates the
@@ -180,16 +201,16 @@ class _SwappableAverage:
         return gated
 
     @property
-    def steps(self):
+    def steps(self) -> int:
         """Optimizer steps averaged so far (``apply()`` needs at least one)."""
         return int(_host(self.num_updates.get_value()))
 
     @property
-    def applied(self):
+    def applied(self) -> bool:
         """True between :meth:`apply` and :meth:`restore`."""
         return self._backup is not None
 
-    def apply(self, need_restore=True):
+    def apply(self, need_restore: bool = True) -> AbstractContextManager[_SwappableAverage]:
         """Put the averaged values into the parameters.
 
         Use as a context manager (``with avg.apply(): evaluate()``) or call it
@@ -237,7 +258,7 @@ class _SwappableAverage:
             if need_restore and self._backup is not None:
                 self.restore()
 
-    def restore(self):
+    def restore(self) -> None:
         """Put the trained values back, bit for bit, from the backup copy.
 
         Raises
@@ -251,7 +272,7 @@ class _SwappableAverage:
             p.set_value(value)
         self._backup = None
 
-    def averages(self):
+    def averages(self) -> list[np.ndarray]:
         """The averaged values as numpy arrays, without touching the params."""
         return [a.astype(p.type.dtype, copy=False) for p, a in zip(self.params, self._averages())]
 
@@ -380,9 +401,20 @@ class ModelAverage(_SwappableAverage):
     array([3.])
     """
 
-    def __init__(self, params, average_window_rate, min_average_window=10000,
-                 max_average_window=10000, *, max_num_accumulates=16384, updates=None,
-                 is_step=None, sum_dtype="float64", host_mode=None, name="model_average"):
+    def __init__(
+        self,
+        params: Params,
+        average_window_rate: float,
+        min_average_window: int = 10000,
+        max_average_window: int = 10000,
+        *,
+        max_num_accumulates: int = 16384,
+        updates: UpdatesLike | None = None,
+        is_step: Variable | bool | None = None,
+        sum_dtype: str = "float64",
+        host_mode: str | None = None,
+        name: str = "model_average",
+    ) -> None:
         super().__init__(params, updates, name, host_mode, is_step)
         rate = float(average_window_rate)
         if not 0.0 <= rate <= 1.0:
@@ -497,8 +529,18 @@ class ExponentialMovingAverage(_SwappableAverage):
     array([0.5])
     """
 
-    def __init__(self, params, decay=0.999, *, warmup=False, updates=None, is_step=None,
-                 shadow_dtype=None, host_mode=None, name="ema"):
+    def __init__(
+        self,
+        params: Params,
+        decay: Scalar = 0.999,
+        *,
+        warmup: bool = False,
+        updates: UpdatesLike | None = None,
+        is_step: Variable | bool | None = None,
+        shadow_dtype: str | None = None,
+        host_mode: str | None = None,
+        name: str = "ema",
+    ) -> None:
         super().__init__(params, updates, name, host_mode, is_step)
         self.num_updates = scalar_state(f"{name}.num_updates", "int64")
         self.shadows = []

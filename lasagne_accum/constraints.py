@@ -1,9 +1,19 @@
 """Norm constraints: Lasagne's ``norm_constraint`` and ``total_norm_constraint``."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
 import numpy as np
 import pytensor.tensor as pt
 
 from .grads import hyperparameter
+
+if TYPE_CHECKING:
+    from pytensor.graph.basic import Variable
+    from pytensor.tensor.variable import TensorVariable
+
+    from ._typing import Scalar
 
 __all__ = ["norm_constraint", "total_norm_constraint"]
 
@@ -13,7 +23,12 @@ def _float_dtype(var):
     return dtype if dtype.startswith("float") else "float64"
 
 
-def norm_constraint(tensor_var, max_norm, norm_axes=None, epsilon=1e-7):
+def norm_constraint(
+    tensor_var: Variable,
+    max_norm: Scalar,
+    norm_axes: int | Sequence[int] | None = None,
+    epsilon: Scalar = 1e-7,
+) -> TensorVariable:
     """Max weight norm constraint: rescale slices whose norm exceeds `max_norm`.
 
     The norm is taken over `norm_axes`; every slice along the remaining axes
@@ -93,7 +108,12 @@ def norm_constraint(tensor_var, max_norm, norm_axes=None, epsilon=1e-7):
     return tensor_var * (target_norms / (epsilon + norms))
 
 
-def total_norm_constraint(tensor_vars, max_norm, epsilon=1e-7, return_norm=False):
+def total_norm_constraint(
+    tensor_vars: Sequence[Variable],
+    max_norm: Scalar,
+    epsilon: Scalar = 1e-7,
+    return_norm: bool = False,
+) -> list[TensorVariable] | tuple[list[TensorVariable], TensorVariable]:
     """Rescale a list of tensors so that their joint L2 norm is at most `max_norm`.
 
     * ``norm = sqrt(sum_i sum(tensor_vars[i] ** 2))``

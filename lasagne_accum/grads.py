@@ -13,9 +13,12 @@ returned) with :func:`rule_name`, and :func:`as_host_array` (a shared value
 as numpy, JAX and torch arrays included).
 """
 
+from __future__ import annotations
+
 import numbers
 from collections import OrderedDict
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import numpy as np
 import pytensor
@@ -25,6 +28,12 @@ from pytensor.gradient import DisconnectedInputError
 from pytensor.graph.traversal import ancestors
 from pytensor.tensor.type import TensorType
 from pytensor.tensor.variable import TensorVariable
+
+if TYPE_CHECKING:
+    from pytensor.graph.basic import Variable
+    from pytensor.tensor.sharedvar import TensorSharedVariable
+
+    from ._typing import LossOrGrads, Params, Scalar, UpdateRule, Updates
 
 __all__ = [
     "get_or_compute_grads",
@@ -45,7 +54,7 @@ _FLOAT_DTYPES = ("float16", "float32", "float64")
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
 
-def as_host_array(value):
+def as_host_array(value: Any) -> np.ndarray:
     """A shared variable's value as a numpy array, wherever it lives.
 
     Shared values are numpy arrays under the C and Numba backends, JAX arrays
@@ -62,7 +71,7 @@ def as_host_array(value):
     return np.asarray(value)
 
 
-def check_int(value, name, low=1, high=_INT64_MAX):
+def check_int(value: Any, name: str, low: int = 1, high: int = _INT64_MAX) -> int:
     """Return `value` as a Python int in ``[low, high]``, or raise naming `name`.
 
     Accepts Python and numpy integers; refuses bools, floats, strings and
@@ -114,7 +123,7 @@ def check_int(value, name, low=1, high=_INT64_MAX):
     return value
 
 
-def rule_name(rule):
+def rule_name(rule: Callable[..., Any]) -> str:
     """The name of an update rule (a function, a partial, any callable) for messages.
 
     Examples
@@ -129,7 +138,12 @@ def rule_name(rule):
     return name or repr(rule)
 
 
-def check_rule_updates(update_rule, grads, params, kwargs):
+def check_rule_updates(
+    update_rule: UpdateRule,
+    grads: Sequence[Variable],
+    params: Params,
+    kwargs: Mapping[str, Any],
+) -> Updates:
     """Call ``update_rule(grads, params, **kwargs)`` and check what it returns.
 
     Parameters
@@ -178,14 +192,14 @@ def check_rule_updates(update_rule, grads, params, kwargs):
     return OrderedDict(result)
 
 
-def param_label(param, index=None):
+def param_label(param: Any, index: int | None = None) -> str:
     """A human-readable name for `param` in messages and state names."""
     if getattr(param, "name", None):
         return param.name
     return f"param{index}" if index is not None else repr(param)
 
 
-def check_params(params, where="params"):
+def check_params(params: Params, where: str = "params") -> list[SharedVariable]:
     """Validate a list of parameters and return it as a list.
 
     Parameters
@@ -219,7 +233,7 @@ def check_params(params, where="params"):
             f"{where} must be a list of shared variables, got {type(params).__name__}"
         )
     params = list(params)
-    seen = {}
+    seen: dict[Any, int] = {}
     for i, p in enumerate(params):
         if not isinstance(p, SharedVariable):
             raise TypeError(
@@ -275,7 +289,7 @@ def _check_grad(grad, param, i):
     return grad
 
 
-def get_or_compute_grads(loss_or_grads, params):
+def get_or_compute_grads(loss_or_grads: LossOrGrads, params: Params) -> list[TensorVariable]:
     """Return a list of gradient expressions, one per parameter.
 
     Parameters
@@ -337,7 +351,7 @@ def get_or_compute_grads(loss_or_grads, params):
             f"{ndim}-dimensional {loss_or_grads.type} (the loss must be a scalar): {hint}"
         )
     try:
-        grads = pytensor.grad(loss_or_grads, params)
+        grads = cast("list[Variable]", pytensor.grad(loss_or_grads, params))
     except DisconnectedInputError:
         inputs = set(ancestors([loss_or_grads]))
         loose = [f"params[{i}] ({param_label(p, i)})" for i, p in enumerate(params)
@@ -349,12 +363,18 @@ def get_or_compute_grads(loss_or_grads, params):
     return [_check_grad(g, p, i) for i, (g, p) in enumerate(zip(grads, params))]
 
 
-def accumulator_dtype(dtype):
+def accumulator_dtype(dtype: str | np.dtype) -> str:
     """The dtype to accumulate values of `dtype` in: at least float32."""
     return "float64" if str(dtype) == "float64" else "float32"
 
 
-def state_like(param, suffix, index=None, dtype=None, value=0.0):
+def state_like(
+    param: SharedVariable,
+    suffix: str,
+    index: int | None = None,
+    dtype: str | None = None,
+    value: float = 0.0,
+) -> TensorSharedVariable:
     """A shared variable shaped like `param`, filled with `value`.
 
     Parameters
@@ -395,7 +415,7 @@ def state_like(param, suffix, index=None, dtype=None, value=0.0):
     )
 
 
-def scalar_state(name, dtype, value=0):
+def scalar_state(name: str, dtype: str, value: float = 0) -> TensorSharedVariable:
     """A scalar shared variable (a counter or a running total).
 
     Examples
@@ -407,7 +427,15 @@ def scalar_state(name, dtype, value=0):
     return pytensor.shared(np.asarray(value, dtype=dtype), name=name)
 
 
-def hyperparameter(value, name, dtype, *, low=None, high=None, high_open=False):
+def hyperparameter(
+    value: Scalar,
+    name: str,
+    dtype: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    high_open: bool = False,
+) -> TensorVariable:
     """Return `value` as a scalar of `dtype`, checking Python numbers.
 
     Parameters
@@ -456,6 +484,6 @@ def hyperparameter(value, name, dtype, *, low=None, high=None, high_open=False):
     )
 
 
-def check_every(every, name="average"):
+def check_every(every: int, name: str = "average") -> int:
     """Return `every` as an int >= 1, or raise naming `name` (see :func:`check_int`)."""
     return check_int(every, name, low=1)

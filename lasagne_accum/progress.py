@@ -1,7 +1,10 @@
 """The progress bar of :func:`lasagne_accum.run_epoch` and the examples."""
 
+from __future__ import annotations
+
 import sys
 import time
+from typing import TYPE_CHECKING, Any, Iterable
 
 __all__ = ["Progress"]
 
@@ -20,9 +23,15 @@ class Progress:
     [0, 1, 2]
     """
 
-    def __init__(self, iterable, total=None, desc="", enabled=True):
+    def __init__(
+        self,
+        iterable: Iterable[Any],
+        total: int | None = None,
+        desc: str = "",
+        enabled: bool = True,
+    ) -> None:
         self.iterable, self.desc, self.enabled = iterable, desc, enabled
-        self.total = total if total is not None else len(iterable)
+        self.total = total if total is not None else len(iterable)  # type: ignore[arg-type]
         self.bar, self.postfix = None, ""
         if enabled:
             try:
@@ -32,7 +41,7 @@ class Progress:
             if tqdm is not None:
                 self.bar = tqdm(total=self.total, desc=desc, leave=False, file=sys.stderr)
 
-    def set(self, text):
+    def set(self, text: str) -> None:
         self.postfix = text
         if self.bar is not None:
             self.bar.set_postfix_str(text, refresh=False)

@@ -32,12 +32,18 @@ Deliberate differences from optax:
   step, optax's values equal these to rounding (the tests check 1e-12).
 """
 
+from __future__ import annotations
+
 import math
 import numbers
+from typing import TYPE_CHECKING, Any, Callable, Mapping, overload
 
 import numpy as np
 import pytensor.tensor as pt
 from pytensor.graph.basic import Variable
+
+if TYPE_CHECKING:
+    from pytensor.tensor.variable import TensorVariable
 
 __all__ = [
     "Schedule",
@@ -116,7 +122,14 @@ class Schedule:
     (or array) it returns a Python float (or a float64 array).
     """
 
-    def __call__(self, step):
+    @overload
+    def __call__(self, step: float) -> float: ...
+    @overload
+    def __call__(self, step: np.ndarray) -> np.ndarray: ...
+    @overload
+    def __call__(self, step: Variable) -> TensorVariable: ...
+
+    def __call__(self, step: Any) -> Any:  # typed by the overloads above
         if isinstance(step, Variable):
             dtype = getattr(step.type, "dtype", "")
             if not (dtype.startswith("int") or dtype.startswith("uint")
@@ -134,8 +147,8 @@ class Schedule:
             raise TypeError("step must be a number or a symbolic scalar, got a bool")
         if isinstance(step, (numbers.Real, np.number)) or isinstance(step, np.ndarray):
             out = np.asarray(self._value(_NumpyOps.as_float(step), _NumpyOps), dtype="float64")
-            if np.ndim(step) > 0:
-                return out + np.zeros(np.shape(step))
+            if np.ndim(step) > 0:  # type: ignore[arg-type]  # numbers.Real is not ArrayLike
+                return out + np.zeros(np.shape(step))  # type: ignore[arg-type]
             return float(out)
         raise TypeError(
             f"step must be a number or a symbolic scalar, got {type(step).__name__}"
@@ -165,7 +178,7 @@ class constant(Schedule):
     (0.1, 0.1)
     """
 
-    def __init__(self, value):
+    def __init__(self, value: float) -> None:
         self.value = _number(value, "value")
 
     def _value(self, step, ops):
@@ -204,7 +217,13 @@ class linear_warmup(Schedule):
     [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
     """
 
-    def __init__(self, init_value, peak_value, warmup_steps, transition_begin=0):
+    def __init__(
+        self,
+        init_value: float,
+        peak_value: float,
+        warmup_steps: int,
+        transition_begin: int = 0,
+    ) -> None:
         self.init_value = _number(init_value, "init_value")
         self.peak_value = _number(peak_value, "peak_value")
         self.warmup_steps = _number(warmup_steps, "warmup_steps", integer=True)
@@ -252,7 +271,13 @@ class cosine_decay(Schedule):
     [1.0, 0.853553, 0.5, 0.146447, 0.0, 0.0]
     """
 
-    def __init__(self, init_value, decay_steps, alpha=0.0, exponent=1.0):
+    def __init__(
+        self,
+        init_value: float,
+        decay_steps: int,
+        alpha: float = 0.0,
+        exponent: float = 1.0,
+    ) -> None:
         self.init_value = _number(init_value, "init_value")
         self.decay_steps = _number(decay_steps, "decay_steps", integer=True, low=0,
                                    low_open=True)
@@ -306,8 +331,15 @@ class warmup_cosine_decay(Schedule):
     [0.0, 0.5, 1.0, 0.853553, 0.5, 0.146447, 0.0, 0.0]
     """
 
-    def __init__(self, init_value, peak_value, warmup_steps, decay_steps, end_value=0.0,
-                 exponent=1.0):
+    def __init__(
+        self,
+        init_value: float,
+        peak_value: float,
+        warmup_steps: int,
+        decay_steps: int,
+        end_value: float = 0.0,
+        exponent: float = 1.0,
+    ) -> None:
         self.init_value = _number(init_value, "init_value")
         self.peak_value = _number(peak_value, "peak_value")
         self.warmup_steps = _number(warmup_steps, "warmup_steps", integer=True, low=0)
@@ -357,7 +389,11 @@ class piecewise_constant(Schedule):
     [1.0, 1.0, 1.0, 0.5, 0.5, 0.05, 0.05]
     """
 
-    def __init__(self, init_value, boundaries_and_scales=None):
+    def __init__(
+        self,
+        init_value: float,
+        boundaries_and_scales: Mapping[int, float] | None = None,
+    ) -> None:
         self.init_value = _number(init_value, "init_value")
         if boundaries_and_scales is None:
             boundaries_and_scales = {}
@@ -418,8 +454,15 @@ class exponential_decay(Schedule):
     [1.0, 1.0, 0.5, 0.5, 0.3]
     """
 
-    def __init__(self, init_value, transition_steps, decay_rate, transition_begin=0,
-                 staircase=False, end_value=None):
+    def __init__(
+        self,
+        init_value: float,
+        transition_steps: int,
+        decay_rate: float,
+        transition_begin: int = 0,
+        staircase: bool = False,
+        end_value: float | None = None,
+    ) -> None:
         self.init_value = _number(init_value, "init_value")
         self.transition_steps = _number(transition_steps, "transition_steps", integer=True)
         self.decay_rate = _number(decay_rate, "decay_rate")
@@ -451,7 +494,19 @@ class _Scaled(Schedule):
         return self.schedule(step) * self.factor
 
 
-def linear_scaling(base_lr, base_batch_size, batch_size):
+@overload
+def linear_scaling(base_lr: float, base_batch_size: int, batch_size: int) -> float: ...
+@overload
+def linear_scaling(
+    base_lr: Callable[[Any], Any], base_batch_size: int, batch_size: int
+) -> Schedule: ...
+
+
+def linear_scaling(
+    base_lr: float | Callable[[Any], Any],
+    base_batch_size: int,
+    batch_size: int,
+) -> float | Schedule:
     """The linear scaling rule of Goyal et al. [1]_ for a larger batch.
 
     * ``lr = base_lr * batch_size / base_batch_size``
@@ -499,5 +554,5 @@ def linear_scaling(base_lr, base_batch_size, batch_size):
     batch_size = _number(batch_size, "batch_size", integer=True, low=1)
     if callable(base_lr):
         return _Scaled(base_lr, batch_size / base_batch_size)
-    base_lr = _number(base_lr, "base_lr", low=0)
-    return base_lr * batch_size / base_batch_size
+    rate = _number(base_lr, "base_lr", low=0)
+    return rate * batch_size / base_batch_size

@@ -13,6 +13,8 @@ dtype and shape from the members' ``.npy`` headers before it reads any
 data, so a file that does not fit the model costs no memory.
 """
 
+from __future__ import annotations
+
 import json
 import os
 import re
@@ -21,12 +23,16 @@ import warnings
 import zipfile
 from collections import OrderedDict
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Collection
 
 import numpy as np
 from numpy.lib import format as npy_format
 from pytensor.compile.sharedvalue import SharedVariable
 
 from .grads import as_host_array
+
+if TYPE_CHECKING:
+    from ._typing import PathLike
 
 __all__ = ["save_state", "load_state", "collect_state", "save_arrays", "read_arrays"]
 
@@ -82,7 +88,7 @@ def _collect(objects):
     return named, made_up
 
 
-def collect_state(*objects):
+def collect_state(*objects: Any) -> OrderedDict[str, SharedVariable]:
     """Name every shared variable the objects update.
 
     Parameters
@@ -187,7 +193,7 @@ def _write_zip(fh, arrays):
                 npy_format.write_array(out, np.asanyarray(value), allow_pickle=False)
 
 
-def save_arrays(path, arrays):
+def save_arrays(path: PathLike, arrays: Mapping[str, np.ndarray]) -> list[str]:
     """Write ``{name: array}`` to a checkpoint file, atomically (see :func:`save_state`).
 
     Parameters
@@ -230,7 +236,7 @@ def save_arrays(path, arrays):
     return list(arrays)
 
 
-def save_state(path, *objects):
+def save_state(path: PathLike, *objects: Any) -> list[str]:
     """Write all state the objects touch to one ``.npz`` file, atomically.
 
     Parameters
@@ -374,7 +380,14 @@ def _read_member(fh, member, path, expected, max_bytes=None):
     return array.reshape(shape[::-1]).T if fortran else array.reshape(shape)
 
 
-def read_arrays(path, expected, *, strict=True, optional=(), max_bytes=1 << 26):
+def read_arrays(
+    path: PathLike,
+    expected: Mapping[str, tuple[tuple[int, ...] | None, Any]],
+    *,
+    strict: bool = True,
+    optional: Collection[str] = (),
+    max_bytes: int = 1 << 26,
+) -> dict[str, np.ndarray]:
     """Read named arrays from a checkpoint, checking every header before any data.
 
     Parameters
@@ -456,7 +469,7 @@ def read_arrays(path, expected, *, strict=True, optional=(), max_bytes=1 << 26):
         return out
 
 
-def load_state(path, *objects, strict=True):
+def load_state(path: PathLike, *objects: Any, strict: bool = True) -> list[str]:
     """Load a checkpoint written by :func:`save_state` into the same variables.
 
     Parameters

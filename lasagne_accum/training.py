@@ -8,7 +8,10 @@ accumulate function every batch and the apply function every N-th batch.
 partial window at the end of the epoch.
 """
 
+from __future__ import annotations
+
 from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import pytensor
@@ -17,6 +20,12 @@ from .accumulate import accumulate_gradients
 from .backends import blas_available, default_modes
 from .grads import check_every, check_rule_updates
 from .progress import Progress
+
+if TYPE_CHECKING:
+    from pytensor.graph.basic import Variable
+
+    from .accumulate import Accumulation
+    from ._typing import Params, PathLike, Scalar, UpdateRule, UpdatesLike
 
 __all__ = ["compile_accumulation", "AccumulationTrainer", "run_epoch", "Progress",
            "default_modes", "blas_available"]
@@ -45,21 +54,28 @@ class AccumulationTrainer:
         :func:`lasagne_accum.save_state`.
     """
 
-    def __init__(self, accumulate_fn, apply_fn, accumulation, every, apply_updates=None):
+    def __init__(
+        self,
+        accumulate_fn: Callable[..., Any],
+        apply_fn: Callable[[], Any],
+        accumulation: Accumulation,
+        every: int,
+        apply_updates: UpdatesLike | None = None,
+    ) -> None:
         self.accumulate_fn = accumulate_fn
         self.apply_updates = apply_updates if apply_updates is not None else {}
         self.apply_fn = apply_fn
         self.accumulation = accumulation
         self.every = every
         self.steps = 0
-        self._pending = None  # batches in the window; read from the counter when None
+        self._pending: int | None = None  # batches in the window; read from the counter when None
 
     @property
-    def pending(self):
+    def pending(self) -> int:
         """Batches accumulated and not yet applied (read from the counter)."""
         return int(np.asarray(self.accumulation.count.get_value()))
 
-    def step(self, *batch):
+    def step(self, *batch: Any) -> Any:
         """Accumulate one batch; apply when `every` batches are in.
 
         Returns
@@ -77,7 +93,7 @@ class AccumulationTrainer:
             self._apply()
         return out
 
-    def flush(self):
+    def flush(self) -> bool:
         """Apply a partial window (for the end of an epoch).
 
         Returns
@@ -91,7 +107,7 @@ class AccumulationTrainer:
         self._apply()
         return True
 
-    def save(self, path, *more):
+    def save(self, path: PathLike, *more: Any) -> list[str]:
         """Checkpoint everything the two functions update (and `more`).
 
         See :func:`lasagne_accum.save_state`; a mid-window checkpoint resumes
@@ -101,7 +117,7 @@ class AccumulationTrainer:
 
         return save_state(path, self, *more)
 
-    def load(self, path, *more):
+    def load(self, path: PathLike, *more: Any) -> list[str]:
         """Load a checkpoint written by :meth:`save` and resume its window."""
         from .state import load_state
 
@@ -115,10 +131,24 @@ class AccumulationTrainer:
         self._pending = 0
 
 
-def compile_accumulation(inputs, loss, params, update_rule, rule_kwargs=None, every=1, *,
-                         weight=None, average=True, max_norm=None, skip_nonfinite=False,
-                         outputs=None, extra_apply_updates=None, mode=None, apply_mode=None,
-                         name="accumulate"):
+def compile_accumulation(
+    inputs: Sequence[Variable],
+    loss: Variable,
+    params: Params,
+    update_rule: UpdateRule,
+    rule_kwargs: Mapping[str, Any] | None = None,
+    every: int = 1,
+    *,
+    weight: Scalar | None = None,
+    average: bool = True,
+    max_norm: Scalar | None = None,
+    skip_nonfinite: bool = False,
+    outputs: Sequence[Variable] | None = None,
+    extra_apply_updates: UpdatesLike | None = None,
+    mode: Any = None,
+    apply_mode: Any = None,
+    name: str = "accumulate",
+) -> AccumulationTrainer:
     """Compile the accumulate and apply functions of the two-function form.
 
     Parameters
@@ -211,7 +241,13 @@ def compile_accumulation(inputs, loss, params, update_rule, rule_kwargs=None, ev
     return AccumulationTrainer(accumulate_fn, apply_fn, acc, every, apply_updates=apply)
 
 
-def run_epoch(trainer, batches, *, progress=True, desc="epoch"):
+def run_epoch(
+    trainer: AccumulationTrainer,
+    batches: Iterable[Sequence[Any]],
+    *,
+    progress: bool = True,
+    desc: str = "epoch",
+) -> float:
     """Feed every batch to ``trainer.step`` and flush the partial window.
 
     Parameters

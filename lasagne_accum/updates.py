@@ -34,11 +34,14 @@ The functions `norm_constraint`, `total_norm_constraint` and
 `get_or_compute_grads` are re-exported here as in Lasagne.
 """
 
+from __future__ import annotations
+
 import difflib
 import functools
 import inspect
 from collections import OrderedDict
 from functools import partial
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, overload
 
 import numpy as np
 import pytensor.tensor as pt
@@ -54,6 +57,19 @@ from .grads import (
     scalar_state,
     state_like,
 )
+
+if TYPE_CHECKING:
+    from ._typing import (
+        Exclude,
+        LearningRate,
+        LossOrGrads,
+        Params,
+        Scalar,
+        Updates,
+        UpdatesLike,
+    )
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 __all__ = [
     "sgd",
@@ -117,7 +133,7 @@ _KEYWORD_ALIASES = {"lr": "learning_rate", "eta": "learning_rate", "eps": "epsil
                     "mu": "momentum", "decay": "rho", "every": "average", "n": "average"}
 
 
-def _rule(fn):
+def _rule(fn: _F) -> _F:
     """Mark a public rule: an unknown keyword gets a suggestion (``lr`` -> ``learning_rate``)."""
     known = list(inspect.signature(fn).parameters)
 
@@ -136,7 +152,7 @@ def _rule(fn):
                 )
         return fn(*args, **kwargs)
 
-    return wrapper
+    return wrapper  # type: ignore[return-value]  # functools.wraps keeps the signature
 
 
 def _state_suffix(name, default, what):
@@ -194,9 +210,38 @@ def _sgd(grads, params, learning_rate, name=None, cast_back=True):
     return updates
 
 
+@overload
+def sgd(
+    loss_or_grads: None = None,
+    params: None = None,
+    learning_rate: LearningRate | None = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Callable[..., Updates]: ...
+@overload
+def sgd(
+    loss_or_grads: LossOrGrads,
+    params: Params,
+    learning_rate: LearningRate | None = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Updates: ...
+
+
 @_rule
-def sgd(loss_or_grads=None, params=None, learning_rate=None, *, average=1, weight=None,
-        name=None):
+def sgd(
+    loss_or_grads: LossOrGrads | None = None,
+    params: Params | None = None,
+    learning_rate: LearningRate | None = None,
+    *,
+    average: int = 1,
+    weight: Scalar | None = None,
+    name: str | None = None,
+) -> Updates | Callable[..., Updates]:
     """Stochastic Gradient Descent (SGD) updates.
 
     * ``param := param - learning_rate * gradient``
@@ -251,7 +296,13 @@ def _updated(updates, params, rule):
 
 
 @_rule
-def apply_momentum(updates, params=None, momentum=0.9, *, name=None):
+def apply_momentum(
+    updates: UpdatesLike,
+    params: Params | None = None,
+    momentum: Scalar = 0.9,
+    *,
+    name: str | None = None,
+) -> Updates:
     """Return a modified update dictionary including momentum.
 
     Generates update expressions of the form:
@@ -290,21 +341,53 @@ def apply_momentum(updates, params=None, momentum=0.9, *, name=None):
     >>> [v.name for v in upd]
     ['w', 'w.momentum_velocity']
     """
-    updates, params = _updated(updates, params, "apply_momentum")
+    result, params = _updated(updates, params, "apply_momentum")
     suffix = _state_suffix(name, "momentum", "velocity")
     for i, param in enumerate(params):
         dtype = _compute_dtype(param)
         mom = hyperparameter(momentum, "momentum", dtype, low=0, high=1)
         velocity = state_like(param, suffix, i, dtype=dtype)
-        x = mom * velocity + _cast(pt.as_tensor_variable(updates[param]), dtype)
-        updates[velocity] = x - _cast(param, dtype)
-        updates[param] = _cast(x, param.type.dtype)
-    return updates
+        x = mom * velocity + _cast(pt.as_tensor_variable(result[param]), dtype)
+        result[velocity] = x - _cast(param, dtype)
+        result[param] = _cast(x, param.type.dtype)
+    return result
+
+
+@overload
+def momentum(
+    loss_or_grads: None = None,
+    params: None = None,
+    learning_rate: LearningRate | None = ...,
+    momentum: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Callable[..., Updates]: ...
+@overload
+def momentum(
+    loss_or_grads: LossOrGrads,
+    params: Params,
+    learning_rate: LearningRate | None = ...,
+    momentum: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Updates: ...
 
 
 @_rule
-def momentum(loss_or_grads=None, params=None, learning_rate=None, momentum=0.9, *,
-             average=1, weight=None, name=None):
+def momentum(
+    loss_or_grads: LossOrGrads | None = None,
+    params: Params | None = None,
+    learning_rate: LearningRate | None = None,
+    momentum: Scalar = 0.9,
+    *,
+    average: int = 1,
+    weight: Scalar | None = None,
+    name: str | None = None,
+) -> Updates | Callable[..., Updates]:
     """Stochastic Gradient Descent (SGD) updates with momentum.
 
     * ``velocity := momentum * velocity - learning_rate * gradient``
@@ -365,7 +448,13 @@ _momentum_public = momentum
 
 
 @_rule
-def apply_nesterov_momentum(updates, params=None, momentum=0.9, *, name=None):
+def apply_nesterov_momentum(
+    updates: UpdatesLike,
+    params: Params | None = None,
+    momentum: Scalar = 0.9,
+    *,
+    name: str | None = None,
+) -> Updates:
     """Return a modified update dictionary including Nesterov momentum.
 
     Generates update expressions of the form:
@@ -409,22 +498,54 @@ def apply_nesterov_momentum(updates, params=None, momentum=0.9, *, name=None):
     >>> [v.name for v in upd]
     ['w', 'w.momentum_velocity']
     """
-    updates, params = _updated(updates, params, "apply_nesterov_momentum")
+    result, params = _updated(updates, params, "apply_nesterov_momentum")
     suffix = _state_suffix(name, "momentum", "velocity")
     for i, param in enumerate(params):
         dtype = _compute_dtype(param)
         mom = hyperparameter(momentum, "momentum", dtype, low=0, high=1)
         velocity = state_like(param, suffix, i, dtype=dtype)
-        new = _cast(pt.as_tensor_variable(updates[param]), dtype)
+        new = _cast(pt.as_tensor_variable(result[param]), dtype)
         x = mom * velocity + new - _cast(param, dtype)
-        updates[velocity] = x
-        updates[param] = _cast(mom * x + new, param.type.dtype)
-    return updates
+        result[velocity] = x
+        result[param] = _cast(mom * x + new, param.type.dtype)
+    return result
+
+
+@overload
+def nesterov_momentum(
+    loss_or_grads: None = None,
+    params: None = None,
+    learning_rate: LearningRate | None = ...,
+    momentum: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Callable[..., Updates]: ...
+@overload
+def nesterov_momentum(
+    loss_or_grads: LossOrGrads,
+    params: Params,
+    learning_rate: LearningRate | None = ...,
+    momentum: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Updates: ...
 
 
 @_rule
-def nesterov_momentum(loss_or_grads=None, params=None, learning_rate=None, momentum=0.9, *,
-                      average=1, weight=None, name=None):
+def nesterov_momentum(
+    loss_or_grads: LossOrGrads | None = None,
+    params: Params | None = None,
+    learning_rate: LearningRate | None = None,
+    momentum: Scalar = 0.9,
+    *,
+    average: int = 1,
+    weight: Scalar | None = None,
+    name: str | None = None,
+) -> Updates | Callable[..., Updates]:
     """Stochastic Gradient Descent (SGD) updates with Nesterov momentum.
 
     * ``velocity := momentum * velocity - learning_rate * gradient``
@@ -500,9 +621,41 @@ def _adagrad(grads, params, learning_rate, epsilon, name=None):
     return updates
 
 
+@overload
+def adagrad(
+    loss_or_grads: None = None,
+    params: None = None,
+    learning_rate: LearningRate = ...,
+    epsilon: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Callable[..., Updates]: ...
+@overload
+def adagrad(
+    loss_or_grads: LossOrGrads,
+    params: Params,
+    learning_rate: LearningRate = ...,
+    epsilon: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Updates: ...
+
+
 @_rule
-def adagrad(loss_or_grads=None, params=None, learning_rate=1.0, epsilon=1e-6, *,
-            average=1, weight=None, name=None):
+def adagrad(
+    loss_or_grads: LossOrGrads | None = None,
+    params: Params | None = None,
+    learning_rate: LearningRate = 1.0,
+    epsilon: Scalar = 1e-6,
+    *,
+    average: int = 1,
+    weight: Scalar | None = None,
+    name: str | None = None,
+) -> Updates | Callable[..., Updates]:
     """Adagrad updates.
 
     Scale learning rates by dividing with the square root of accumulated
@@ -580,9 +733,44 @@ def _rmsprop(grads, params, learning_rate, rho, epsilon, name=None):
     return updates
 
 
+@overload
+def rmsprop(
+    loss_or_grads: None = None,
+    params: None = None,
+    learning_rate: LearningRate = ...,
+    rho: Scalar = ...,
+    epsilon: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Callable[..., Updates]: ...
+@overload
+def rmsprop(
+    loss_or_grads: LossOrGrads,
+    params: Params,
+    learning_rate: LearningRate = ...,
+    rho: Scalar = ...,
+    epsilon: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Updates: ...
+
+
 @_rule
-def rmsprop(loss_or_grads=None, params=None, learning_rate=1.0, rho=0.9, epsilon=1e-6, *,
-            average=1, weight=None, name=None):
+def rmsprop(
+    loss_or_grads: LossOrGrads | None = None,
+    params: Params | None = None,
+    learning_rate: LearningRate = 1.0,
+    rho: Scalar = 0.9,
+    epsilon: Scalar = 1e-6,
+    *,
+    average: int = 1,
+    weight: Scalar | None = None,
+    name: str | None = None,
+) -> Updates | Callable[..., Updates]:
     """RMSProp updates.
 
     Scale learning rates by dividing with the moving average of the root mean
@@ -664,9 +852,44 @@ def _adadelta(grads, params, learning_rate, rho, epsilon, name=None):
     return updates
 
 
+@overload
+def adadelta(
+    loss_or_grads: None = None,
+    params: None = None,
+    learning_rate: LearningRate = ...,
+    rho: Scalar = ...,
+    epsilon: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Callable[..., Updates]: ...
+@overload
+def adadelta(
+    loss_or_grads: LossOrGrads,
+    params: Params,
+    learning_rate: LearningRate = ...,
+    rho: Scalar = ...,
+    epsilon: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Updates: ...
+
+
 @_rule
-def adadelta(loss_or_grads=None, params=None, learning_rate=1.0, rho=0.95, epsilon=1e-6, *,
-             average=1, weight=None, name=None):
+def adadelta(
+    loss_or_grads: LossOrGrads | None = None,
+    params: Params | None = None,
+    learning_rate: LearningRate = 1.0,
+    rho: Scalar = 0.95,
+    epsilon: Scalar = 1e-6,
+    *,
+    average: int = 1,
+    weight: Scalar | None = None,
+    name: str | None = None,
+) -> Updates | Callable[..., Updates]:
     """Adadelta updates.
 
     Scale learning rates by the ratio of accumulated gradients to accumulated
@@ -794,9 +1017,47 @@ def _amsgrad(grads, params, learning_rate, beta1, beta2, epsilon, name=None):
     return _adam_family(grads, params, learning_rate, beta1, beta2, epsilon, "amsgrad", name)
 
 
+@overload
+def adam(
+    loss_or_grads: None = None,
+    params: None = None,
+    learning_rate: LearningRate = ...,
+    beta1: Scalar = ...,
+    beta2: Scalar = ...,
+    epsilon: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Callable[..., Updates]: ...
+@overload
+def adam(
+    loss_or_grads: LossOrGrads,
+    params: Params,
+    learning_rate: LearningRate = ...,
+    beta1: Scalar = ...,
+    beta2: Scalar = ...,
+    epsilon: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Updates: ...
+
+
 @_rule
-def adam(loss_or_grads=None, params=None, learning_rate=0.001, beta1=0.9, beta2=0.999,
-         epsilon=1e-8, *, average=1, weight=None, name=None):
+def adam(
+    loss_or_grads: LossOrGrads | None = None,
+    params: Params | None = None,
+    learning_rate: LearningRate = 0.001,
+    beta1: Scalar = 0.9,
+    beta2: Scalar = 0.999,
+    epsilon: Scalar = 1e-8,
+    *,
+    average: int = 1,
+    weight: Scalar | None = None,
+    name: str | None = None,
+) -> Updates | Callable[..., Updates]:
     """Adam updates.
 
     Adam updates implemented as in [1]_:
@@ -866,9 +1127,47 @@ def adam(loss_or_grads=None, params=None, learning_rate=0.001, beta1=0.9, beta2=
                   dict(learning_rate=learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon, name=name))
 
 
+@overload
+def adamax(
+    loss_or_grads: None = None,
+    params: None = None,
+    learning_rate: LearningRate = ...,
+    beta1: Scalar = ...,
+    beta2: Scalar = ...,
+    epsilon: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Callable[..., Updates]: ...
+@overload
+def adamax(
+    loss_or_grads: LossOrGrads,
+    params: Params,
+    learning_rate: LearningRate = ...,
+    beta1: Scalar = ...,
+    beta2: Scalar = ...,
+    epsilon: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Updates: ...
+
+
 @_rule
-def adamax(loss_or_grads=None, params=None, learning_rate=0.002, beta1=0.9, beta2=0.999,
-           epsilon=1e-8, *, average=1, weight=None, name=None):
+def adamax(
+    loss_or_grads: LossOrGrads | None = None,
+    params: Params | None = None,
+    learning_rate: LearningRate = 0.002,
+    beta1: Scalar = 0.9,
+    beta2: Scalar = 0.999,
+    epsilon: Scalar = 1e-8,
+    *,
+    average: int = 1,
+    weight: Scalar | None = None,
+    name: str | None = None,
+) -> Updates | Callable[..., Updates]:
     """Adamax updates.
 
     Adamax updates implemented as in [1]_. This is a variant of the Adam
@@ -931,9 +1230,47 @@ def adamax(loss_or_grads=None, params=None, learning_rate=0.002, beta1=0.9, beta
                   dict(learning_rate=learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon, name=name))
 
 
+@overload
+def amsgrad(
+    loss_or_grads: None = None,
+    params: None = None,
+    learning_rate: LearningRate = ...,
+    beta1: Scalar = ...,
+    beta2: Scalar = ...,
+    epsilon: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Callable[..., Updates]: ...
+@overload
+def amsgrad(
+    loss_or_grads: LossOrGrads,
+    params: Params,
+    learning_rate: LearningRate = ...,
+    beta1: Scalar = ...,
+    beta2: Scalar = ...,
+    epsilon: Scalar = ...,
+    *,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Updates: ...
+
+
 @_rule
-def amsgrad(loss_or_grads=None, params=None, learning_rate=0.001, beta1=0.9, beta2=0.999,
-            epsilon=1e-8, *, average=1, weight=None, name=None):
+def amsgrad(
+    loss_or_grads: LossOrGrads | None = None,
+    params: Params | None = None,
+    learning_rate: LearningRate = 0.001,
+    beta1: Scalar = 0.9,
+    beta2: Scalar = 0.999,
+    epsilon: Scalar = 1e-8,
+    *,
+    average: int = 1,
+    weight: Scalar | None = None,
+    name: str | None = None,
+) -> Updates | Callable[..., Updates]:
     """AMSGrad updates.
 
     AMSGrad updates implemented as in [1]_: Adam with the maximum of all
@@ -1201,10 +1538,53 @@ def _adamw(grads, params, learning_rate, beta1, beta2, epsilon, weight_decay, ex
     return updates
 
 
+@overload
+def adamw(
+    loss_or_grads: None = None,
+    params: None = None,
+    learning_rate: LearningRate = ...,
+    beta1: Scalar = ...,
+    beta2: Scalar = ...,
+    epsilon: Scalar = ...,
+    weight_decay: Scalar = ...,
+    *,
+    exclude: Exclude | None = ...,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Callable[..., Updates]: ...
+@overload
+def adamw(
+    loss_or_grads: LossOrGrads,
+    params: Params,
+    learning_rate: LearningRate = ...,
+    beta1: Scalar = ...,
+    beta2: Scalar = ...,
+    epsilon: Scalar = ...,
+    weight_decay: Scalar = ...,
+    *,
+    exclude: Exclude | None = ...,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Updates: ...
+
+
 @_rule
-def adamw(loss_or_grads=None, params=None, learning_rate=1e-3, beta1=0.9, beta2=0.999,
-          epsilon=1e-8, weight_decay=1e-4, *, exclude=None, average=1, weight=None,
-          name=None):
+def adamw(
+    loss_or_grads: LossOrGrads | None = None,
+    params: Params | None = None,
+    learning_rate: LearningRate = 1e-3,
+    beta1: Scalar = 0.9,
+    beta2: Scalar = 0.999,
+    epsilon: Scalar = 1e-8,
+    weight_decay: Scalar = 1e-4,
+    *,
+    exclude: Exclude | None = None,
+    average: int = 1,
+    weight: Scalar | None = None,
+    name: str | None = None,
+) -> Updates | Callable[..., Updates]:
     """AdamW updates: Adam with decoupled weight decay.
 
     AdamW as in [1]_ and ``optax.adamw``: bias-corrected moments, epsilon
@@ -1322,10 +1702,56 @@ def _lars(grads, params, learning_rate, momentum, weight_decay, trust_coefficien
     return updates
 
 
+@overload
+def lars(
+    loss_or_grads: None = None,
+    params: None = None,
+    learning_rate: LearningRate | None = ...,
+    momentum: Scalar = ...,
+    weight_decay: Scalar = ...,
+    trust_coefficient: Scalar = ...,
+    eps: Scalar = ...,
+    nesterov: bool = ...,
+    *,
+    exclude: Exclude | None = ...,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Callable[..., Updates]: ...
+@overload
+def lars(
+    loss_or_grads: LossOrGrads,
+    params: Params,
+    learning_rate: LearningRate | None = ...,
+    momentum: Scalar = ...,
+    weight_decay: Scalar = ...,
+    trust_coefficient: Scalar = ...,
+    eps: Scalar = ...,
+    nesterov: bool = ...,
+    *,
+    exclude: Exclude | None = ...,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Updates: ...
+
+
 @_rule
-def lars(loss_or_grads=None, params=None, learning_rate=None, momentum=0.9, weight_decay=0.0,
-         trust_coefficient=0.001, eps=0.0, nesterov=False, *, exclude=None, average=1,
-         weight=None, name=None):
+def lars(
+    loss_or_grads: LossOrGrads | None = None,
+    params: Params | None = None,
+    learning_rate: LearningRate | None = None,
+    momentum: Scalar = 0.9,
+    weight_decay: Scalar = 0.0,
+    trust_coefficient: Scalar = 0.001,
+    eps: Scalar = 0.0,
+    nesterov: bool = False,
+    *,
+    exclude: Exclude | None = None,
+    average: int = 1,
+    weight: Scalar | None = None,
+    name: str | None = None,
+) -> Updates | Callable[..., Updates]:
     """LARS updates: SGD with momentum and layer-wise trust ratios.
 
     Layer-wise Adaptive Rate Scaling as in [1]_ and ``optax.lars``. Per
@@ -1438,9 +1864,53 @@ def _lamb(grads, params, learning_rate, beta1, beta2, epsilon, weight_decay, exc
     return updates
 
 
+@overload
+def lamb(
+    loss_or_grads: None = None,
+    params: None = None,
+    learning_rate: LearningRate = ...,
+    beta1: Scalar = ...,
+    beta2: Scalar = ...,
+    epsilon: Scalar = ...,
+    weight_decay: Scalar = ...,
+    *,
+    exclude: Exclude | None = ...,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Callable[..., Updates]: ...
+@overload
+def lamb(
+    loss_or_grads: LossOrGrads,
+    params: Params,
+    learning_rate: LearningRate = ...,
+    beta1: Scalar = ...,
+    beta2: Scalar = ...,
+    epsilon: Scalar = ...,
+    weight_decay: Scalar = ...,
+    *,
+    exclude: Exclude | None = ...,
+    average: int = ...,
+    weight: Scalar | None = ...,
+    name: str | None = ...,
+) -> Updates: ...
+
+
 @_rule
-def lamb(loss_or_grads=None, params=None, learning_rate=1e-3, beta1=0.9, beta2=0.999,
-         epsilon=1e-6, weight_decay=0.0, *, exclude=None, average=1, weight=None, name=None):
+def lamb(
+    loss_or_grads: LossOrGrads | None = None,
+    params: Params | None = None,
+    learning_rate: LearningRate = 1e-3,
+    beta1: Scalar = 0.9,
+    beta2: Scalar = 0.999,
+    epsilon: Scalar = 1e-6,
+    weight_decay: Scalar = 0.0,
+    *,
+    exclude: Exclude | None = None,
+    average: int = 1,
+    weight: Scalar | None = None,
+    name: str | None = None,
+) -> Updates | Callable[..., Updates]:
     """LAMB updates: Adam directions with layer-wise trust ratios.
 
     LAMB as in [1]_ and ``optax.lamb``. Per parameter (``||.||`` is the norm

@@ -22,10 +22,13 @@ Backends: ``"local"`` (threads in this process, no dependency) and
 runs the same code on both.
 """
 
+from __future__ import annotations
+
 import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -44,6 +47,9 @@ from .local import run_local
 from .server import ParameterServer
 from .shard import Shard
 from .worker import Worker, model_spec
+
+if TYPE_CHECKING:
+    from .._typing import PathLike, UpdateRule
 
 __all__ = [
     "train",
@@ -107,32 +113,32 @@ class TrainResult:
     checkpoints: int = 0
 
     @property
-    def pushes(self):
+    def pushes(self) -> int:
         return sum(r["pushes"] for r in self.workers)
 
     @property
-    def examples(self):
+    def examples(self) -> int:
         return sum(r["examples"] for r in self.workers)
 
     @property
-    def t_start(self):
+    def t_start(self) -> float:
         return min(r["t_start"] for r in self.workers)
 
     @property
-    def elapsed(self):
+    def elapsed(self) -> float:
         """Seconds from the first worker's start to the last one's end (no compiling)."""
         return max(r["t_end"] for r in self.workers) - self.t_start
 
     @property
-    def pushes_per_second(self):
+    def pushes_per_second(self) -> float:
         return self.pushes / self.elapsed if self.elapsed > 0 else float("nan")
 
     @property
-    def bytes_per_example(self):
+    def bytes_per_example(self) -> float:
         """Gradient bytes pushed per training example."""
         return sum(r["bytes"] for r in self.workers) / self.examples
 
-    def losses(self):
+    def losses(self) -> list[tuple[float, float, int]]:
         """All workers' ``(seconds since start, batch loss, examples)``, in time order."""
         t0 = self.t_start
         return sorted((t - t0, loss, n) for r in self.workers for t, loss, n in r["losses"])
@@ -149,12 +155,35 @@ def _initial_params(build_model, model_kwargs):
     return out
 
 
-def train(build_model, worker_batches, update_rule, rule_kwargs=None, *, n_workers=None,
-          mode="sync", backend="local", accumulate=1, shards=None, merge="mean",
-          staleness_scale=False, round_timeout=None, on_timeout="close", model_kwargs=None,
-          compile_mode=None, snapshot_interval=None, resume_from=None, checkpoint_to=None,
-          server=None, address=None, client=None, security=None, n_dask_workers=None,
-          keep_log=False, wait_timeout=600.0, checkpoint_every=None):
+def train(
+    build_model: Callable[..., Any],
+    worker_batches: Sequence[Any] | Callable[[int], Any],
+    update_rule: UpdateRule,
+    rule_kwargs: Mapping[str, Any] | None = None,
+    *,
+    n_workers: int | None = None,
+    mode: str = "sync",
+    backend: str = "local",
+    accumulate: int = 1,
+    shards: Sequence[Sequence[str]] | Mapping[str, Sequence[str]] | None = None,
+    merge: str = "mean",
+    staleness_scale: bool = False,
+    round_timeout: float | None = None,
+    on_timeout: str = "close",
+    model_kwargs: Mapping[str, Any] | None = None,
+    compile_mode: str | None = None,
+    snapshot_interval: float | None = None,
+    resume_from: PathLike | None = None,
+    checkpoint_to: PathLike | None = None,
+    server: Any = None,
+    address: str | None = None,
+    client: Any = None,
+    security: Any = None,
+    n_dask_workers: int | None = None,
+    keep_log: bool = False,
+    wait_timeout: float = 600.0,
+    checkpoint_every: float | None = None,
+) -> TrainResult:
     """Train with a parameter server and one worker per batch list; same code on both backends.
 
     Parameters
@@ -225,8 +254,10 @@ def train(build_model, worker_batches, update_rule, rule_kwargs=None, *, n_worke
                             round_timeout=round_timeout, on_timeout=on_timeout,
                             compile_mode=compile_mode, keep_log=keep_log,
                             wait_timeout=wait_timeout)
-    run = dict(accumulate=accumulate, model_kwargs=model_kwargs, compile_mode=compile_mode,
-               snapshot_interval=snapshot_interval)
+    run: dict[str, Any] = dict(
+        accumulate=accumulate, model_kwargs=model_kwargs, compile_mode=compile_mode,
+        snapshot_interval=snapshot_interval,
+    )
 
     if backend == "local":
         if server is None:
@@ -258,7 +289,7 @@ def train(build_model, worker_batches, update_rule, rule_kwargs=None, *, n_worke
         if resume_from is not None:
             server.load(resume_from)
         saver = _Saver(server, checkpoint_to, checkpoint_every)
-        lost = []
+        lost: list[dict[str, Any]] = []
         try:
             reports, history = run_dask(server, client, build_model, per, lost=lost,
                                         checkpoint=saver if checkpoint_every else None, **run)

@@ -119,9 +119,9 @@ class ServerOptions:
     mode: str = "sync"
     merge: str = "mean"
     staleness_scale: bool = False
-    round_timeout: float = None
+    round_timeout: float | None = None
     on_timeout: str = "close"
-    compile_mode: str = None
+    compile_mode: str | None = None
     check_finite: bool = True
     keep_log: bool = False
     wait_timeout: float = 600.0

@@ -11,11 +11,17 @@ measured speed-up is ~1x). Use the local backend to develop and test, and the
 Dask backend (processes) for parallel compute.
 """
 
+from __future__ import annotations
+
 import threading
 import time
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from .server import ParameterServer
 from .worker import Worker, raise_worker_errors, worker_lists
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["run_local", "snapshot"]
 
@@ -26,9 +32,19 @@ def snapshot(server):
     return time.time(), version, params
 
 
-def run_local(server, build_model, worker_batches, *, accumulate=1, model_kwargs=None,
-              compile_mode=None, snapshot_interval=None, worker_ids=None, checkpoint=None,
-              tick=0.1):
+def run_local(
+    server: ParameterServer,
+    build_model: Callable[..., Any],
+    worker_batches: Sequence[Any],
+    *,
+    accumulate: int = 1,
+    model_kwargs: Mapping[str, Any] | None = None,
+    compile_mode: str | None = None,
+    snapshot_interval: float | None = None,
+    worker_ids: Sequence[str | int] | None = None,
+    checkpoint: Callable[[], Any] | None = None,
+    tick: float = 0.1,
+) -> tuple[list[dict[str, Any]], list[tuple[float, Any, dict[str, np.ndarray]]]]:
     """Run one thread per entry of `worker_batches` against `server`.
 
     Parameters
@@ -67,7 +83,7 @@ def run_local(server, build_model, worker_batches, *, accumulate=1, model_kwargs
                       model_kwargs=model_kwargs, compile_mode=compile_mode) for wid in ids]
     for wid in ids:          # every worker is live before the first round opens
         server.register(wid)
-    reports = [None] * len(ids)
+    reports: list[Any] = [None] * len(ids)
     errors = [None] * len(ids)
     barrier = threading.Barrier(len(ids))
 
@@ -86,7 +102,7 @@ def run_local(server, build_model, worker_batches, *, accumulate=1, model_kwargs
 
     threads = [threading.Thread(target=target, args=(k,), name=f"lasagne-{wid}", daemon=True)
                for k, wid in enumerate(ids)]
-    history = []
+    history: list[Any] = []
     for t in threads:
         t.start()
     try:

@@ -7,13 +7,22 @@ in this process; :mod:`lasagne_accum.distributed.dask` across processes).
 :class:`ParameterServer` holds its shards in this process, for threads.
 """
 
+from __future__ import annotations
+
 from collections import OrderedDict
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..state import read_arrays, save_arrays
 from .checks import PushRejected, ServerOptions, check_grads, check_seq, check_version, \
     check_weight, check_worker_id, named_params, param_specs, plan_shards
 from .shard import Shard, push_atomic
+
+if TYPE_CHECKING:
+    import numpy as np
+    from pytensor.compile.sharedvalue import SharedVariable
+
+    from .._typing import PathLike, UpdateRule
 
 __all__ = ["BaseServer", "ParameterServer"]
 
@@ -29,6 +38,11 @@ class BaseServer:
     ``_note_rejected()`` (count one rejected push).
     """
 
+    # implemented by the subclasses
+    _call: Callable[..., list[Any]]
+    _push: Callable[..., list[Any]]
+    _note_rejected: Callable[[], None]
+
     def _setup(self, named, shards, options):
         self.options = options
         self.specs = param_specs(named)
@@ -40,11 +54,11 @@ class BaseServer:
                              for group in self.plan.values()]
 
     @property
-    def mode(self):
+    def mode(self) -> str:
         return self.options.mode
 
     @property
-    def merge(self):
+    def merge(self) -> str:
         return self.options.merge
 
     # ------------------------------------------------------------ routing
@@ -64,24 +78,30 @@ class BaseServer:
             out.append(self.shard_names.index(s))
         return sorted(set(out))
 
-    def register(self, worker_id):
+    def register(
+        self,
+        worker_id: str | int,
+    ) -> tuple[tuple[int | None, ...], dict[str, np.ndarray]]:
         """Register a worker on every shard; return ``(version, {name: array})``."""
         check_worker_id(worker_id)
         results = self._call(self._all(), "register", [(worker_id,)] * len(self.plan))
         return self._combine(results)
 
-    def next_seq(self, worker_id):
+    def next_seq(self, worker_id: str | int) -> int:
         """The first seq that no shard has applied for `worker_id` (a new worker process with
         an old id, after a restart from a checkpoint, numbers its pushes from here)."""
         check_worker_id(worker_id)
         return max(self._call(self._all(), "next_seq", [(worker_id,)] * len(self.plan)))
 
-    def unregister(self, worker_id):
+    def unregister(self, worker_id: str | int) -> bool:
         """Remove a worker from every shard's live set (a sync round may close)."""
         results = self._call(self._all(), "unregister", [(worker_id,)] * len(self.plan))
         return any(results)
 
-    def pull(self, shards=None):
+    def pull(
+        self,
+        shards: str | Sequence[str] | None = None,
+    ) -> tuple[tuple[int | None, ...], dict[str, np.ndarray]]:
         """``(version, {name: array})``; `version` is a tuple, one entry per shard.
 
         With `shards` (names), only those shards' params; other version
@@ -134,8 +154,18 @@ class BaseServer:
                           check_version(version[i], f"{where} (version[{i}])")))
         return idx, calls
 
-    def push(self, worker_id, seq, grads, weight=1.0, version=None, *, shards=None, wait=True,
-             pull=False):
+    def push(
+        self,
+        worker_id: str | int,
+        seq: int,
+        grads: Mapping[str, Any],
+        weight: float = 1.0,
+        version: Sequence[int | None] | Mapping[str, int | None] | None = None,
+        *,
+        shards: str | Sequence[str] | None = None,
+        wait: bool = True,
+        pull: bool = False,
+    ) -> dict[str, Any]:
         """Push one worker's gradients to their shards, all or nothing.
 
         Parameters
@@ -217,7 +247,7 @@ class BaseServer:
         out["version"] = tuple(out_version)
         return out
 
-    def stats(self):
+    def stats(self) -> dict[str, Any]:
         """Per-shard counters and totals.
 
         ``applied`` is the number of pushes every shard has applied (merged
@@ -225,7 +255,7 @@ class BaseServer:
         ``version`` the tuple of shard versions.
         """
         per = self._call(self._all(), "stats", [()] * len(self.plan))
-        hist = {}
+        hist: dict[Any, int] = {}
         for s in per:
             for k, c in s["staleness"].items():
                 hist[k] = hist.get(k, 0) + c
@@ -245,7 +275,7 @@ class BaseServer:
             shards=dict(zip(self.shard_names, per)),
         )
 
-    def state(self):
+    def state(self) -> OrderedDict[str, np.ndarray]:
         """``{name: array}`` of every shard: params, rule state, counters, applied seqs."""
         merged = OrderedDict()
         for part in self._call(self._all(), "state", [()] * len(self.plan)):
@@ -255,7 +285,7 @@ class BaseServer:
                 merged[n] = a
         return merged
 
-    def save(self, path):
+    def save(self, path: PathLike) -> list[str]:
         """Checkpoint params, rule state, counters and each worker's applied seqs (atomic).
 
         Written with :func:`lasagne_accum.state.save_arrays`; parameters keep
@@ -264,7 +294,7 @@ class BaseServer:
         """
         return save_arrays(path, self.state())
 
-    def load(self, path):
+    def load(self, path: PathLike) -> list[str]:
         """Restore a checkpoint written by :meth:`save` (same params, shards and rule).
 
         Every name, shape and dtype is checked (from the file's headers)
@@ -284,7 +314,7 @@ class BaseServer:
                                          for part in parts])
         return list(arrays)
 
-    def close(self):
+    def close(self) -> None:
         pass
 
     def __enter__(self):
@@ -333,8 +363,16 @@ class ParameterServer(BaseServer):
     True
     """
 
-    def __init__(self, params, update_rule, rule_kwargs=None, *, shards=None, options=None,
-                 **option_kwargs):
+    def __init__(
+        self,
+        params: Mapping[str, SharedVariable] | Sequence[SharedVariable],
+        update_rule: UpdateRule,
+        rule_kwargs: Mapping[str, Any] | None = None,
+        *,
+        shards: Sequence[Sequence[str]] | Mapping[str, Sequence[str]] | None = None,
+        options: ServerOptions | None = None,
+        **option_kwargs: Any,
+    ) -> None:
         options = ServerOptions.of(options, **option_kwargs)
         named = named_params(params)
         self._setup(named, shards, options)

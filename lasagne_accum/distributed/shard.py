@@ -8,11 +8,14 @@ pushes to several shards at once: it checks the push on every one of them
 before it commits it to any, so a rejected push leaves no trace.
 """
 
+from __future__ import annotations
+
 import contextlib
 import math
 import threading
 import time
 from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 import pytensor
@@ -26,6 +29,9 @@ from .checks import PushRejected, ServerOptions, ServerTimeoutError, check_grads
     check_seq, check_version, check_weight, check_worker_id, learning_rate_kind, \
     named_params, param_specs
 from .rounds import Rounds
+
+if TYPE_CHECKING:
+    from .._typing import UpdateRule
 
 __all__ = ["Shard", "ApplyFunction", "push_atomic"]
 
@@ -141,8 +147,15 @@ class Shard:
         Fields of :class:`~lasagne_accum.distributed.checks.ServerOptions`.
     """
 
-    def __init__(self, name, params, update_rule, rule_kwargs=None, options=None,
-                 **option_kwargs):
+    def __init__(
+        self,
+        name: str,
+        params: Mapping[str, SharedVariable],
+        update_rule: UpdateRule,
+        rule_kwargs: Mapping[str, Any] | None = None,
+        options: ServerOptions | None = None,
+        **option_kwargs: Any,
+    ) -> None:
         self.options = ServerOptions.of(options, **option_kwargs)
         self.name = name
         named = named_params(params)
@@ -160,14 +173,14 @@ class Shard:
 
     # ---------------------------------------------------------------- workers
 
-    def register(self, worker_id):
+    def register(self, worker_id: str | int) -> tuple[int, dict[str, np.ndarray]]:
         """Add a live worker (idempotent); return ``(version, {name: array})``."""
         check_worker_id(worker_id)
         with self.lock:
             self.book.register(worker_id)
             return self.book.version, self._copy()
 
-    def next_seq(self, worker_id):
+    def next_seq(self, worker_id: str | int) -> int:
         """One more than the highest seq of `worker_id` applied here (0 if none)."""
         with self.lock:
             seen = self.book.seen.get(worker_id)
@@ -175,14 +188,14 @@ class Shard:
                 return 0
             return max([seen.floor] + list(seen.above)) + 1
 
-    def unregister(self, worker_id):
+    def unregister(self, worker_id: str | int) -> bool:
         """Remove a worker from the live set (a sync round may close now); True if it was live."""
         with self.lock:
             return self.book.unregister(worker_id)
 
     # ---------------------------------------------------------------- pull
 
-    def pull(self):
+    def pull(self) -> tuple[int, dict[str, np.ndarray]]:
         """``(version, {name: array copy})`` of this shard."""
         with self.lock:
             self.book.expire()
@@ -193,7 +206,15 @@ class Shard:
 
     # ---------------------------------------------------------------- push
 
-    def push(self, worker_id, seq, grads, weight=1.0, version=None, pull=False):
+    def push(
+        self,
+        worker_id: str | int,
+        seq: int,
+        grads: Mapping[str, np.ndarray],
+        weight: float = 1.0,
+        version: int | None = None,
+        pull: bool = False,
+    ) -> dict[str, Any]:
         """Apply (async) or add to the open round (sync) one worker's gradients.
 
         Parameters
@@ -235,14 +256,20 @@ class Shard:
             raise
         return push_atomic([self], [call], pull, count_rejected=True)[0]
 
-    def note_rejected(self, n=1):
+    def note_rejected(self, n: int = 1) -> None:
         """Count `n` rejected pushes (the server counts each rejected push once)."""
         with self.lock:
             self.book.counts["rejected"] += n
 
     # ---------------------------------------------------------------- sync rounds
 
-    def wait_round(self, round_id, timeout=None, blocking=True, pull=False):
+    def wait_round(
+        self,
+        round_id: int,
+        timeout: float | None = None,
+        blocking: bool = True,
+        pull: bool = False,
+    ) -> dict[str, Any] | None:
         """Wait for sync round `round_id` to close; return its result.
 
         Parameters
@@ -300,7 +327,7 @@ class Shard:
 
     # ---------------------------------------------------------------- stats, state
 
-    def stats(self):
+    def stats(self) -> dict[str, Any]:
         """Counters of this shard (a plain dict)."""
         with self.lock:
             return self.book.stats()
@@ -308,7 +335,7 @@ class Shard:
     def _counter_names(self):
         return f"{self.name}/counters", f"{self.name}/applied_seqs"
 
-    def state_specs(self):
+    def state_specs(self) -> OrderedDict[str, tuple[tuple[int, ...] | None, np.dtype]]:
         """``{name: (shape, dtype)}`` of :meth:`state` (shape None: any length)."""
         with self.lock:
             out = OrderedDict((n, (tuple(np.shape(v.get_value(borrow=True))),
@@ -319,7 +346,7 @@ class Shard:
         out[seqs] = (None, "uint8")
         return out
 
-    def state(self):
+    def state(self) -> OrderedDict[str, np.ndarray]:
         """``{name: array}``: params, rule state, counters and each worker's applied seqs."""
         with self.lock:
             out = OrderedDict((n, v.get_value(borrow=False))
@@ -328,7 +355,7 @@ class Shard:
             out[counters], out[seqs] = self.book.counters()
             return out
 
-    def load(self, arrays):
+    def load(self, arrays: Mapping[str, np.ndarray]) -> list[str]:
         """Set the state from :meth:`state`'s format; all checks first.
 
         The record of applied seqs is optional (checkpoints of earlier

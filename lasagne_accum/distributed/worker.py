@@ -1,9 +1,12 @@
 """The trainer side: a :class:`Worker` pulls, computes gradients, pushes; and what both runners share."""
 
+from __future__ import annotations
+
 import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import numpy as np
 import pytensor
@@ -12,6 +15,9 @@ from ..accumulate import accumulate_gradients
 from ..backends import default_modes
 from ..grads import check_int
 from .checks import check_worker_id, param_specs
+
+if TYPE_CHECKING:
+    from .server import BaseServer
 
 __all__ = ["Worker", "model_spec", "worker_lists", "raise_worker_errors"]
 
@@ -81,8 +87,16 @@ class Worker:
         :func:`lasagne_accum.training.default_modes`).
     """
 
-    def __init__(self, server, worker_id, build_model, *, accumulate=1, model_kwargs=None,
-                 compile_mode=None):
+    def __init__(
+        self,
+        server: BaseServer,
+        worker_id: str | int,
+        build_model: Callable[..., Any],
+        *,
+        accumulate: int = 1,
+        model_kwargs: Mapping[str, Any] | None = None,
+        compile_mode: str | None = None,
+    ) -> None:
         check_worker_id(worker_id)
         self.server, self.worker_id = server, worker_id
         self.accumulate = check_int(accumulate, "accumulate")
@@ -105,13 +119,20 @@ class Worker:
                                        mode=read_mode)
         self.compile_seconds = time.perf_counter() - start
         self.seq = 0
-        self.version = None
+        self.version: tuple[int | None, ...] | None = None
 
     def _set(self, values):
         for n, v in values.items():
             self.params[n].set_value(_aligned(v))
 
-    def run(self, batches, *, register=True, unregister=True, start=None):
+    def run(
+        self,
+        batches: Iterable[Sequence[Any]],
+        *,
+        register: bool = True,
+        unregister: bool = True,
+        start: Callable[[], Any] | None = None,
+    ) -> dict[str, Any]:
         """Train on `batches` (tuples of the inputs), pushing every `accumulate` batches.
 
         A partial window at the end is pushed too. The first batch is run
@@ -124,9 +145,10 @@ class Worker:
         round, applying) and ``push_s`` (each push call's seconds).
         The worker unregisters at the end, also when it fails.
         """
-        report = dict(worker=self.worker_id, pushes=0, batches=0, examples=0.0, bytes=0,
-                      duplicates=0, losses=[], staleness=[], compile_s=self.compile_seconds,
-                      server_s=0.0, push_s=[])
+        report: dict[str, Any] = dict(
+            worker=self.worker_id, pushes=0, batches=0, examples=0.0, bytes=0, duplicates=0,
+            losses=[], staleness=[], compile_s=self.compile_seconds, server_s=0.0, push_s=[],
+        )
         try:
             if register:
                 self.version, values = self.server.register(self.worker_id)
