@@ -41,7 +41,7 @@ import pathlib
 __all__ = ["register_numba_gemm_rewrite", "register_numba_gemm", "register_lazy_step_rewrite",
            "register_numba_lazy_step", "LazyStep"]
 
-_registered = set()
+_registered: set[str] = set()
 # Numba's on-disk cache is keyed by what a dispatcher says; the source's hash
 # in the key makes every edit of this module compile afresh.
 _SOURCE_KEY = hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest()[:16]
