@@ -169,7 +169,7 @@ def _optax_run(case, dtype, every=1):
         return {k: np.asarray(v) for k, v in params.items()}
 
 
-def _check(ours, case, dtype, every=1):
+def _assert_equals_optax(ours, case, dtype, every=1):
     ref = _optax_run(case, dtype, every)
     tol = dict(rtol=1e-10, atol=1e-12) if dtype == "float64" else dict(rtol=1e-5, atol=1e-6)
     for k in NAMES:
@@ -201,7 +201,7 @@ def direct(request):
 @pytest.mark.parametrize("case", list(CASES))
 def test_rule_equals_optax(direct, case):
     dtype, params, _, _ = direct
-    _check(params[case], case, dtype)
+    _assert_equals_optax(params[case], case, dtype)
 
 
 def test_float32_model_compiles_to_float32_updates(direct):
@@ -226,7 +226,7 @@ def test_default_mode_float32_schedules():
     for g in _gradients(STEPS):
         fn(*_feed(g, "float32"))
     for case in cases:
-        _check(params[case], case, "float32")
+        _assert_equals_optax(params[case], case, "float32")
 
 
 def test_state_names_and_counters(direct):
@@ -301,13 +301,13 @@ def averaged():
 @pytest.mark.parametrize("case", AVERAGED)
 def test_average_4_equals_optax_multisteps(averaged, case):
     single, _, _ = averaged
-    _check(single[case], case, "float64", every=EVERY)
+    _assert_equals_optax(single[case], case, "float64", every=EVERY)
 
 
 @pytest.mark.parametrize("case", AVERAGED)
 def test_two_function_form_equals_optax_multisteps(averaged, case):
     _, two, _ = averaged
-    _check(two[case], case, "float64", every=EVERY)
+    _assert_equals_optax(two[case], case, "float64", every=EVERY)
 
 
 def test_schedule_counts_optimizer_steps_not_calls(averaged):
@@ -427,4 +427,4 @@ def test_jax_mode_average_2_equals_optax_multisteps():
     for g in _gradients(STEPS * 2):
         fn(*_feed(g, "float64"))
     for case in cases:
-        _check(params[case], case, "float64", every=2)
+        _assert_equals_optax(params[case], case, "float64", every=2)
