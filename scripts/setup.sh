@@ -25,6 +25,10 @@ fi
 # --- system packages -------------------------------------------------------
 need_pkgs=()
 if ! command -v g++ >/dev/null 2>&1; then need_pkgs+=(g++); fi
+# Debian ships venv's pip bootstrap (ensurepip) in a separate package
+if ! "$PYTHON" -c "import ensurepip" >/dev/null 2>&1 && [ ! -x .venv/bin/python ]; then
+  need_pkgs+=("python$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')-venv")
+fi
 if command -v dpkg-query >/dev/null 2>&1; then
   gcc_major="$( (gcc -dumpversion 2>/dev/null || echo 12) | cut -d. -f1)"
   for pkg in libopenblas-dev "libgfortran-${gcc_major}-dev"; do
@@ -47,7 +51,8 @@ fi
 # --- virtual environment ---------------------------------------------------
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv with $PYTHON" >&2
-  "$PYTHON" -m venv .venv
+  "$PYTHON" -m venv .venv || { rm -rf .venv; echo "setup: '$PYTHON -m venv' failed" \
+      "(on Debian/Ubuntu: apt-get install python3-venv)" >&2; exit 1; }
 fi
 stamp=".venv/.lasagne_accum-installed"   # line 1: hash of the package metadata; line 2: extras
 meta="$(cat setup.cfg pyproject.toml | sha1sum | cut -d' ' -f1)"
