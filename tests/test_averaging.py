@@ -281,7 +281,13 @@ def test_precision_million_float32_updates():
 # --------------------------------------------------------------------------
 
 
-def _trained(avg_cls, n_steps=5, **kwargs):
+def _trained(kind, n_steps=5):
+    """`n_steps` steps of the average `kind` of AVERAGES over two parameters.
+
+    Returns the average, the parameters, the values set at each step, a copy
+    of the trained values and the averages.
+    """
+    avg_cls, kwargs = AVERAGES[kind]
     rng = np.random.default_rng(7)
     w64 = shared(rng.standard_normal((3, 2)), "w64")
     w32 = shared(rng.standard_normal(5).astype(np.float32), "w32")
@@ -295,7 +301,8 @@ def _trained(avg_cls, n_steps=5, **kwargs):
         a32 = rng.standard_normal(5).astype(np.float32)
         fn(a64, a32)
         history.append((a64, a32))
-    return avg, [w64, w32], history
+    params = [w64, w32]
+    return avg, params, history, _snapshot(params), avg.averages()
 
 
 AVERAGES = {
@@ -318,10 +325,7 @@ def _assert_bitwise(params, saved):
 
 @pytest.mark.parametrize("kind", list(AVERAGES))
 def test_apply_context_swaps_and_restores_bitwise(kind):
-    cls, kwargs = AVERAGES[kind]
-    avg, params, history = _trained(cls, **kwargs)
-    trained = _snapshot(params)
-    expected = avg.averages()
+    avg, params, history, trained, expected = _trained(kind)
     assert not any(np.array_equal(e, t) for e, t in zip(expected, trained))
     with avg.apply() as ctx:
         assert ctx is avg and avg.applied
@@ -339,10 +343,7 @@ def test_apply_context_swaps_and_restores_bitwise(kind):
 
 @pytest.mark.parametrize("kind", list(AVERAGES))
 def test_apply_need_restore_false_and_exception(kind):
-    cls, kwargs = AVERAGES[kind]
-    avg, params, _ = _trained(cls, **kwargs)
-    trained = _snapshot(params)
-    expected = avg.averages()
+    avg, params, _, trained, expected = _trained(kind)
 
     with avg.apply(need_restore=False):
         pass
@@ -368,10 +369,7 @@ def test_apply_need_restore_false_and_exception(kind):
 
 @pytest.mark.parametrize("kind", list(AVERAGES))
 def test_nested_apply_and_restore_without_apply_raise(kind):
-    cls, kwargs = AVERAGES[kind]
-    avg, params, _ = _trained(cls, **kwargs)
-    trained = _snapshot(params)
-    expected = avg.averages()
+    avg, params, _, trained, expected = _trained(kind)
     with pytest.raises(RuntimeError, match="restore"):
         avg.restore()
     _assert_bitwise(params, trained)
