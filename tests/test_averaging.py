@@ -459,16 +459,26 @@ def _quadratic(rng):
     return [w, b], x, loss
 
 
+def _two_function_average(rng, *window, **kwargs):
+    """The README's two-function form of sgd on `_quadratic`, a ModelAverage in its apply.
+
+    Returns the parameters, the accumulate function (``x -> loss``), the
+    apply function and the average.
+    """
+    params, x, loss = _quadratic(rng)
+    accu, reset = accumulate_gradients(loss, params)
+    apply = sgd(accu.grads, params, 0.1)
+    apply.update(reset)
+    ma = ModelAverage(params, *window, updates=apply, **kwargs)
+    apply.update(ma.updates)
+    step_fn = pytensor.function([x], loss, updates=accu, mode=MODE)
+    apply_fn = pytensor.function([], [], updates=apply, mode=MODE)
+    return params, step_fn, apply_fn, ma
+
+
 def test_two_function_form_counts_apply_calls():
     rng = np.random.default_rng(3)
-    params, x, loss = _quadratic(rng)
-    accu, reset_upd = accumulate_gradients(loss, params)
-    apply_upd = sgd(accu.grads, params, 0.1)
-    apply_upd.update(reset_upd)
-    ma = ModelAverage(params, 0.5, 1, 3, max_num_accumulates=2, updates=apply_upd)
-    apply_upd.update(ma.updates)
-    step_fn = pytensor.function([x], loss, updates=accu, mode=MODE)
-    apply_fn = pytensor.function([], [], updates=apply_upd, mode=MODE)
+    params, step_fn, apply_fn, ma = _two_function_average(rng, 0.5, 1, 3, max_num_accumulates=2)
     ref = PaddleWindowRef([(3,), ()], 0.5, 1, 3, 2)
     for k in range(1, 13):
         for _ in range(4):
@@ -676,14 +686,7 @@ def test_a_dict_whose_step_signal_cannot_be_known_is_refused():
 
 def test_empty_flush_of_the_two_function_form_does_not_advance_the_average():
     rng = np.random.default_rng(10)
-    params, x, loss = _quadratic(rng)
-    accu, rst = accumulate_gradients(loss, params)
-    apply = sgd(accu.grads, params, 0.1)
-    apply.update(rst)
-    ma = ModelAverage(params, 0.5, 2, 4, updates=apply)
-    apply.update(ma.updates)
-    step_fn = pytensor.function([x], [], updates=accu, mode=MODE)
-    apply_fn = pytensor.function([], [], updates=apply, mode=MODE)
+    params, step_fn, apply_fn, ma = _two_function_average(rng, 0.5, 2, 4)
     apply_fn()  # nothing accumulated
     assert int(ma.num_updates.get_value()) == 0 and ma.steps == 0
     step_fn(rng.standard_normal(3))
