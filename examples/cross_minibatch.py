@@ -36,7 +36,6 @@ below them, so the two rows print the same digits on every machine.
     python examples/cross_minibatch.py            # 20 epochs at lr 7e-5
 """
 
-import argparse
 import os
 import time
 
@@ -100,15 +99,7 @@ def parse_args(argv=None):
         args.epochs = QUICK_EPOCHS if args.quick else EPOCHS
     if args.lr is None:
         args.lr = QUICK_LR if args.quick else LR
-    if args.rows is None:
-        args.rows = list(range(1, len(ROWS) + 1))
-    else:
-        try:
-            args.rows = [int(r) for r in args.rows.split(",")]
-        except ValueError:
-            p.error(f"--rows: expected comma-separated integers, got {args.rows!r}")
-        if not args.rows or any(r < 1 or r > len(ROWS) for r in args.rows):
-            p.error(f"--rows: row numbers go from 1 to {len(ROWS)}")
+    args.rows = models.row_numbers(p, args.rows, len(ROWS))
     args.multiple = MULTIPLE
     if args.train_size is not None and args.train_size < MULTIPLE:
         p.error(f"--train-size must be at least {MULTIPLE} (the largest window)")
@@ -228,12 +219,7 @@ def plot(results, path):
 def main(argv=None):
     args = parse_args(argv)
     out = None if args.no_plot else models.out_dir(args.out)   # fail early, not after training
-    try:
-        data, side = models.load_data(None, args.seed, dtype=args.dtype)
-    except models.DataError as exc:
-        models.fail(str(exc))
-    if args.train_size:
-        data = (data[0][:args.train_size], data[1][:args.train_size]) + data[2:]
+    data, side = models.load_data_or_exit(args.seed, args.train_size, dtype=args.dtype)
     small_lr = args.lr / args.small_lr_factor
     print(f"{args.model.upper()} on {len(data[0])} training / {len(data[2])} test digits "
           f"({side}x{side}), Lasagne's momentum; lr={decimal(args.lr)}, "

@@ -23,7 +23,6 @@ with the four MNIST IDX files (``train-images-idx3-ubyte`` etc., optionally
     python examples/digits_cnn.py --mnist ~/data/mnist --epochs 2 --accumulate 10
 """
 
-import argparse
 import time
 
 import numpy as np
@@ -38,16 +37,11 @@ import models
 
 def parse_args(argv=None):
     p = models.parser(__doc__)
-    p.add_argument("--model", choices=["cnn", "mlp"], default="cnn",
-                   help="the im2col CNN of models.py, or a one-hidden-layer MLP")
+    models.add_flags(p, model="cnn")
     p.add_argument("--batch-size", type=models.positive_int, default=16,
                    help="examples per mini-batch (one call of the training function)")
-    p.add_argument("--optimizer", default="nesterov_momentum", choices=models.OPTIMIZERS,
-                   help="update rule, as in mnist.py")
-    p.add_argument("--lr", type=models.positive_float, default=0.02,
-                   help="learning rate")
-    p.add_argument("--momentum", type=models.unit_float, default=0.9,
-                   help="momentum of momentum and nesterov_momentum")
+    models.add_flags(p, optimizer=("nesterov_momentum", "update rule, as in mnist.py"),
+                     lr=0.02, momentum=0.9)
     form = p.add_mutually_exclusive_group()
     form.add_argument("--accumulate", type=models.positive_int, default=1, metavar="N",
                       help="two-function form: apply every N mini-batches")
@@ -55,17 +49,10 @@ def parse_args(argv=None):
                       help="single-function form: rule(..., average=N)")
     p.add_argument("--model-average", action="store_true",
                    help="also evaluate a ModelAverage of the parameters")
-    p.add_argument("--epochs", type=models.positive_int, default=10, help="passes over the training set")
+    models.add_flags(p, epochs=10)
     p.add_argument("--mnist", metavar="DIR", default=None,
                    help="read MNIST IDX files from DIR instead of the bundled digits")
-    p.add_argument("--train-size", type=models.positive_int, default=None,
-                   help="use the first N training examples only (default: all)")
-    p.add_argument("--mode", type=models.mode_name, default=None,
-                   help="PyTensor mode of every function (CVM, NUMBA, JAX...); default: "
-                        "lasagne_accum.training.default_modes()")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the initial parameters, the split and the order")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    models.add_flags(p, train_size=None, mode=None, seed=0, no_progress=False)
     return p.parse_args(argv)
 
 
@@ -115,12 +102,8 @@ def build_trainer(model, args, steps_per_epoch):
 
 def main(argv=None):
     args = parse_args(argv)
-    try:
-        (X_train, y_train, X_test, y_test), side = models.load_data(args.mnist, args.seed)
-    except models.DataError as exc:
-        models.fail(str(exc))
-    if args.train_size:
-        X_train, y_train = X_train[:args.train_size], y_train[:args.train_size]
+    (X_train, y_train, X_test, y_test), side = models.load_data_or_exit(
+        args.seed, args.train_size, args.mnist)
 
     start = time.perf_counter()
     model = models.build_model(args.model, side, seed=args.seed)

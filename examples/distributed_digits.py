@@ -11,8 +11,6 @@ applies each push on arrival.
     python examples/distributed_digits.py --backend dask --mode async --workers 2 --accumulate 4
 """
 
-import argparse
-import sys
 import time
 from collections import Counter
 
@@ -23,21 +21,10 @@ import pytensor.tensor as pt
 from lasagne_accum import updates as rules
 from lasagne_accum.distributed import train
 
+import models
+
 OPTIMIZERS = ["sgd", "momentum", "nesterov_momentum", "adagrad", "rmsprop", "adam", "adamax",
               "amsgrad"]
-
-
-def load_digits(seed, test_fraction=0.25):
-    """The 1797 8x8 digits bundled with scikit-learn, scaled to [0, 1], split train/test."""
-    try:
-        from sklearn.datasets import load_digits as sk_load_digits
-    except ImportError:
-        sys.exit("error: this example needs scikit-learn: pip install -e '.[examples]'")
-    data = sk_load_digits()
-    X, y = (data.data / 16.0).astype("float32"), data.target.astype("int64")
-    order = np.random.RandomState(seed).permutation(len(X))
-    n_test = int(len(X) * test_fraction)
-    return X[order[n_test:]], y[order[n_test:]], X[order[:n_test]], y[order[:n_test]]
 
 
 def mlp(hidden=64, seed=0):
@@ -80,33 +67,35 @@ def worker_batches(X, y, workers, batch_size, epochs, seed):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    p.add_argument("--backend", choices=["local", "dask"], default="local")
-    p.add_argument("--mode", choices=["sync", "async"], default="sync")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--accumulate", type=int, default=1, metavar="N",
-                   help="batches accumulated locally per push (default 1)")
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p = models.parser(__doc__)
+    p.add_argument("--backend", choices=["local", "dask"], default="local",
+                   help="threads in this process, or a Dask cluster")
+    p.add_argument("--mode", choices=["sync", "async"], default="sync",
+                   help="sync: one merged step per round; async: each push applied on arrival")
+    p.add_argument("--workers", type=models.positive_int, default=2, help="training workers")
+    p.add_argument("--accumulate", type=models.positive_int, default=1, metavar="N",
+                   help="batches accumulated locally per push")
+    models.add_flags(p, epochs=10)
+    p.add_argument("--batch-size", type=models.positive_int, default=32,
+                   help="examples per mini-batch")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="update rule")
+    models.add_flags(p, lr=3e-3)
     p.add_argument("--decay", type=float, default=0.0,
                    help="learning rate lr / (1 + decay * step), evaluated per shard step")
     p.add_argument("--staleness-scale", action="store_true",
                    help="async: divide each step by its staleness")
-    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--hidden", type=models.positive_int, default=64,
+                   help="hidden units of the MLP")
     p.add_argument("--address", default=None,
                    help="dask: scheduler address (default: start a loopback LocalCluster)")
     p.add_argument("--tls", action="store_true",
                    help="dask LocalCluster with a temporary TLS certificate "
                         "(needs the cryptography package)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the initial parameters, the split and the batches")
     args = p.parse_args(argv)
-    for name in ("workers", "accumulate", "epochs", "batch_size", "hidden"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.lr <= 0 or args.decay < 0:
-        p.error("--lr must be > 0 and --decay >= 0")
+    if args.decay < 0:
+        p.error("--decay must be >= 0")
     if args.staleness_scale and args.mode != "async":
         p.error("--staleness-scale applies to --mode async")
     if (args.address or args.tls) and args.backend != "dask":
@@ -116,7 +105,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    X, y, X_test, y_test = load_digits(args.seed)
+    (X, y, X_test, y_test), _ = models.load_data_or_exit(args.seed)
     data = worker_batches(X, y, args.workers, args.batch_size, args.epochs, args.seed)
     lr, decay = args.lr, args.decay
     rule_kwargs = {"learning_rate": (lambda step: lr / (1.0 + decay * step)) if decay else lr}

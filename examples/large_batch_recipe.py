@@ -98,15 +98,7 @@ def parse_args(argv=None):
         p.error(f"--warmup-epochs must be >= 0, got {args.warmup_epochs:g}")
     if args.lars_decay < 0:
         p.error(f"--lars-decay must be >= 0, got {args.lars_decay:g}")
-    if args.rows is None:
-        args.rows = list(range(1, len(ROWS) + 1))
-    else:
-        try:
-            args.rows = [int(r) for r in args.rows.split(",")]
-        except ValueError:
-            p.error(f"--rows: expected comma-separated integers, got {args.rows!r}")
-        if not args.rows or any(r < 1 or r > len(ROWS) for r in args.rows):
-            p.error(f"--rows: row numbers go from 1 to {len(ROWS)}")
+    args.rows = models.row_numbers(p, args.rows, len(ROWS))
     # Every epoch uses the first multiple of the large batch of a fresh shuffle,
     # so that an epoch is whole optimizer steps in every row.
     args.multiple = args.batch * args.accumulate
@@ -217,14 +209,9 @@ def plot(results, path):
 def main(argv=None):
     args = parse_args(argv)
     out = None if args.no_plot else models.out_dir(args.out)
-    try:
-        data, side = models.load_data(None, args.seed)
-    except models.DataError as exc:
-        models.fail(str(exc))
-    if args.train_size:
-        if args.train_size < args.multiple:
-            models.fail(f"--train-size must be at least batch * accumulate = {args.multiple}")
-        data = (data[0][:args.train_size], data[1][:args.train_size]) + data[2:]
+    if args.train_size and args.train_size < args.multiple:
+        models.fail(f"--train-size must be at least batch * accumulate = {args.multiple}")
+    data, side = models.load_data_or_exit(args.seed, args.train_size)
     big = args.batch * args.accumulate
     used = len(data[0]) - len(data[0]) % args.multiple
     steps_per_epoch = used // big

@@ -63,20 +63,10 @@ def parse_args(argv=None):
                    help="mini-batch size B")
     p.add_argument("--steps", type=models.positive_int, default=3,
                    help="optimizer steps per N")
-    p.add_argument("--optimizer", default="adam", choices=models.OPTIMIZERS, help="update rule")
-    p.add_argument("--lr", type=models.positive_float, default=1e-3, help="learning rate")
-    p.add_argument("--model", choices=["cnn", "mlp"], default="cnn",
-                   help="the im2col CNN of models.py, or a one-hidden-layer MLP")
-    p.add_argument("--dtype", choices=["float64", "float32"], default="float64",
-                   help="float64 for the exactness check")
-    p.add_argument("--mode", type=models.mode_name, default=None,
-                   help="PyTensor mode of every function; default: "
-                        "lasagne_accum.training.default_modes()")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the initial parameters and the data order")
-    p.add_argument("--out", default="out", help="directory for the plot")
-    p.add_argument("--no-plot", action="store_true", help="do not draw the memory plot")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    models.add_flags(p, optimizer="adam", lr=1e-3, model="cnn",
+                     dtype=("float64", "float64 for the exactness check"), mode=None,
+                     seed=(0, "seed of the initial parameters and the data order"), out="out",
+                     no_plot=(False, "do not draw the memory plot"), no_progress=False)
     return p.parse_args(argv)
 
 
@@ -176,10 +166,7 @@ def plot(rows, args, path):
 def main(argv=None):
     args = parse_args(argv)
     out = None if args.no_plot else models.out_dir(args.out)   # fail early, not after training
-    try:
-        (X, y, _, _), args.side = models.load_data(None, args.seed, dtype=args.dtype)
-    except models.DataError as exc:
-        models.fail(str(exc))
+    (X, y, _, _), args.side = models.load_data_or_exit(args.seed, dtype=args.dtype)
     print(f"{args.model.upper()} on {args.side}x{args.side} digits, {args.dtype}, "
           f"{args.optimizer} lr={args.lr:g}; B={args.batch_size}, {args.steps} steps per N",
           flush=True)

@@ -9,7 +9,6 @@ loss per epoch and the test loss and accuracy at the end.
     python examples/mlp_digits.py --epochs 10 --batch-size 16 --accumulate 4
 """
 
-import argparse
 import time
 
 import numpy as np
@@ -23,36 +22,25 @@ import models
 
 def parse_args(argv=None):
     p = models.parser(__doc__)
-    p.add_argument("--epochs", type=int, default=10, help="passes over the training set")
-    p.add_argument("--batch-size", type=int, default=16,
+    models.add_flags(p, epochs=10)
+    p.add_argument("--batch-size", type=models.positive_int, default=16,
                    help="examples per mini-batch (one call of the accumulate function)")
-    p.add_argument("--accumulate", type=int, default=4, metavar="N",
+    p.add_argument("--accumulate", type=models.positive_int, default=4, metavar="N",
                    help="mini-batches per optimizer step")
-    p.add_argument("--optimizer", default="adam", choices=models.OPTIMIZERS, help="update rule")
-    p.add_argument("--lr", type=float, default=3e-3, help="learning rate")
-    p.add_argument("--hidden", type=int, default=64, help="hidden units of the MLP")
-    p.add_argument("--mode", default=None,
-                   help="PyTensor mode for both functions (NUMBA, CVM, JAX); default: "
-                        "lasagne_accum.training.default_modes(), C for accumulation and "
-                        "Numba for the apply step when C links to BLAS")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the initial parameters, the split and the order")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
-    for name in ("epochs", "batch_size", "accumulate", "hidden"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.lr <= 0:
-        p.error("--lr must be > 0")
-    return args
+    models.add_flags(p, optimizer="adam", lr=3e-3)
+    p.add_argument("--hidden", type=models.positive_int, default=64,
+                   help="hidden units of the MLP")
+    models.add_flags(p, mode=(None, "PyTensor mode for both functions (NUMBA, CVM, JAX); "
+                                    "default: lasagne_accum.training.default_modes(), C for "
+                                    "accumulation and Numba for the apply step when C links "
+                                    "to BLAS"),
+                     seed=0, no_progress=False)
+    return p.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    try:
-        X_train, y_train, X_test, y_test = models.load_digits(args.seed)
-    except models.DataError as exc:
-        models.fail(str(exc))
+    (X_train, y_train, X_test, y_test), _ = models.load_data_or_exit(args.seed)
     start = time.perf_counter()          # the time reported includes compiling
     model = models.build_mlp(X_train.shape[1], args.hidden, 10, args.seed)
     x = model.x
@@ -72,9 +60,7 @@ def main(argv=None):
           f"{args.batch_size * args.accumulate}")
     rng = np.random.RandomState(args.seed)
     for epoch in range(1, args.epochs + 1):
-        order = rng.permutation(len(X_train))
-        batches = [(X_train[order[i:i + args.batch_size]], y_train[order[i:i + args.batch_size]])
-                   for i in range(0, len(order), args.batch_size)]
+        batches = models.minibatches(X_train, y_train, args.batch_size, rng)
         train_loss = run_epoch(trainer, batches, progress=not args.no_progress,
                                desc=f"epoch {epoch}")
         test_loss, test_acc = evaluate(X_test, y_test)

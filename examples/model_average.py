@@ -20,7 +20,6 @@ values back afterwards, bit for bit.
     python examples/model_average.py --epochs 15 --lr 0.03
 """
 
-import argparse
 import time
 
 import numpy as np
@@ -34,43 +33,25 @@ import models
 
 def parse_args(argv=None):
     p = models.parser(__doc__)
-    p.add_argument("--model", choices=["cnn", "mlp"], default="cnn",
-                   help="the im2col CNN of models.py, or a one-hidden-layer MLP")
+    models.add_flags(p, model="cnn")
     p.add_argument("--batch-size", type=models.positive_int, default=8,
                    help="examples per mini-batch")
     p.add_argument("--accumulate", type=models.positive_int, default=2, metavar="N",
                    help="mini-batches per optimizer step")
-    p.add_argument("--optimizer", default="momentum", choices=models.OPTIMIZERS,
-                   help="update rule")
-    p.add_argument("--lr", type=models.positive_float, default=0.05,
-                   help="learning rate (large on purpose: a noisy last iterate)")
-    p.add_argument("--momentum", type=models.unit_float, default=0.9,
-                   help="momentum of momentum and nesterov_momentum")
+    models.add_flags(p, optimizer="momentum",
+                     lr=(0.05, "learning rate (large on purpose: a noisy last iterate)"),
+                     momentum=0.9)
     p.add_argument("--ema-decay", type=models.unit_float, default=0.99,
                    help="decay of the ExponentialMovingAverage, in [0, 1)")
-    p.add_argument("--epochs", type=models.positive_int, default=10, help="passes over the training set")
-    p.add_argument("--dtype", choices=["float64", "float32"], default="float64",
-                   help="model precision; float64 prints the same numbers on every machine")
-    p.add_argument("--train-size", type=models.positive_int, default=None,
-                   help="use the first N training examples only (default: all)")
-    p.add_argument("--mode", type=models.mode_name, default=None,
-                   help="PyTensor mode of both functions; default: "
-                        "lasagne_accum.training.default_modes()")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the initial parameters, the split and the order")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    models.add_flags(p, epochs=10, dtype="float64", train_size=None, mode=None, seed=0,
+                     no_progress=False)
     return p.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    try:
-        (X_train, y_train, X_test, y_test), side = models.load_data(None, args.seed,
-                                                                    dtype=args.dtype)
-    except models.DataError as exc:
-        models.fail(str(exc))
-    if args.train_size:
-        X_train, y_train = X_train[:args.train_size], y_train[:args.train_size]
+    (X_train, y_train, X_test, y_test), side = models.load_data_or_exit(
+        args.seed, args.train_size, dtype=args.dtype)
     start = time.perf_counter()
     model = models.build_model(args.model, side, seed=args.seed, dtype=args.dtype)
     x, params = model.x, model.params

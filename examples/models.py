@@ -10,6 +10,9 @@ shows only what it is about. Run any example with ``--help`` for its flags.
   ops only. The CNN's convolution is im2col (one integer index gathers the
   patches under the filter) followed by one matrix product, and max-pooling
   is a reshape and a ``max``: no convolution or pooling op is needed.
+* :func:`load_data_or_exit`: the bundled digits or MNIST, with ``--train-size``.
+* :func:`add_flags`: the flags several examples share (:data:`FLAGS`), each
+  with the example's default.
 * :func:`progress`: tqdm when installed, plain lines on stderr otherwise.
 """
 
@@ -164,6 +167,17 @@ def load_data(mnist_dir, seed, dtype="float32"):
         raise DataError(f"images of {side}x{side} pixels are too small for the CNN")
     if len(data[0]) == 0 or len(data[2]) == 0:
         raise DataError("no training or no test examples")
+    return data, side
+
+
+def load_data_or_exit(seed, train_size=None, mnist_dir=None, dtype="float32"):
+    """:func:`load_data`, the first `train_size` training examples; a one-line exit on error."""
+    try:
+        data, side = load_data(mnist_dir, seed, dtype)
+    except DataError as exc:
+        fail(str(exc))
+    if train_size:
+        data = (data[0][:train_size], data[1][:train_size]) + data[2:]
     return data, side
 
 
@@ -350,26 +364,25 @@ def positive_int(text):
     return value
 
 
-def positive_float(text):
-    """argparse type: a finite number > 0."""
+def _float_flag(text, ok, what):
+    """argparse type: a number for which ``ok(value)`` holds, else ``must be {what}``."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
-    if not np.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
     return value
+
+
+def positive_float(text):
+    """argparse type: a finite number > 0."""
+    return _float_flag(text, lambda v: np.isfinite(v) and v > 0, "a finite number > 0")
 
 
 def unit_float(text):
     """argparse type: a number in [0, 1)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return value
+    return _float_flag(text, lambda v: 0 <= v < 1, "in [0, 1)")
 
 
 def mode_name(text):
@@ -383,6 +396,53 @@ def fail(message):
     """Print ``error: message`` on stderr and exit with status 1 (no traceback)."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(1)
+
+
+def row_numbers(p, text, n_rows):
+    """``--rows``: the 1-based row numbers in comma-separated `text` (None: all `n_rows`)."""
+    if text is None:
+        return list(range(1, n_rows + 1))
+    try:
+        rows = [int(r) for r in text.split(",")]
+    except ValueError:
+        p.error(f"--rows: expected comma-separated integers, got {text!r}")
+    if not rows or any(r < 1 or r > n_rows for r in rows):
+        p.error(f"--rows: row numbers go from 1 to {n_rows}")
+    return rows
+
+
+#: The flags several examples share: argparse keywords (no default) and help.
+FLAGS = {
+    "model": (dict(choices=["cnn", "mlp"]),
+              "the im2col CNN of models.py, or a one-hidden-layer MLP"),
+    "optimizer": (dict(choices=OPTIMIZERS), "update rule"),
+    "lr": (dict(type=positive_float), "learning rate"),
+    "momentum": (dict(type=unit_float), "momentum of momentum and nesterov_momentum"),
+    "epochs": (dict(type=positive_int), "passes over the training set"),
+    "dtype": (dict(choices=["float64", "float32"]),
+              "model precision; float64 prints the same numbers on every machine"),
+    "train_size": (dict(type=positive_int),
+                   "use the first N training examples only (default: all)"),
+    "mode": (dict(type=mode_name), "PyTensor mode of every function (CVM, NUMBA, JAX...); "
+                                   "default: lasagne_accum.training.default_modes()"),
+    "seed": (dict(type=int), "seed of the initial parameters, the split and the order"),
+    "out": ({}, "directory for the plot"),
+    "no_plot": (dict(action="store_true"), "do not draw the plot"),
+    "no_progress": (dict(action="store_true"), "no progress bar"),
+}
+
+
+def add_flags(p, **defaults):
+    """Add shared flags of :data:`FLAGS` to parser `p`, in order, with these defaults.
+
+    ``add_flags(p, lr=0.01, seed=0)`` adds ``--lr`` and ``--seed``; a value
+    ``(default, help)`` replaces the shared help text.
+    """
+    for name, value in defaults.items():
+        default, text = value if isinstance(value, tuple) else (value, None)
+        kwargs, shared = FLAGS[name]
+        p.add_argument("--" + name.replace("_", "-"), default=default, help=text or shared,
+                       **kwargs)
 
 
 def out_dir(path):

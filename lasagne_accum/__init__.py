@@ -16,46 +16,14 @@ from . import schedules
 from .accumulate import Accumulation, accumulate_gradients, reset
 from .averaged import SteppingUpdates, with_accumulated_gradients
 from .averaging import ExponentialMovingAverage, ModelAverage
-from .constraints import norm_constraint, total_norm_constraint
-from .grads import get_or_compute_grads
 from .state import collect_state, load_state, save_state
 from .training import AccumulationTrainer, compile_accumulation, run_epoch
-from .updates import (
-    adadelta,
-    adagrad,
-    adam,
-    adamax,
-    amsgrad,
-    apply_momentum,
-    apply_nesterov_momentum,
-    momentum,
-    nesterov_momentum,
-    rmsprop,
-    sgd,
-)
-from .updates import adamw, lamb, lars
+from .updates import *  # noqa: F403  the rules and Lasagne's helpers: updates.__all__
 
-__all__ = [
-    "__version__",
-    "updates",
-    "sgd",
-    "momentum",
-    "nesterov_momentum",
-    "apply_momentum",
-    "apply_nesterov_momentum",
-    "adagrad",
-    "rmsprop",
-    "adadelta",
-    "adam",
-    "adamax",
-    "amsgrad",
-    "adamw",
-    "lars",
-    "lamb",
+__all__ = ["__version__", "updates"]
+__all__ += updates.__all__  # every rule, get_or_compute_grads, the norm constraints
+__all__ += [
     "schedules",
-    "get_or_compute_grads",
-    "norm_constraint",
-    "total_norm_constraint",
     "accumulate_gradients",
     "reset",
     "Accumulation",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, ParamSpec, Protocol, Sequence, Union, overload
 
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Variable
@@ -23,6 +23,7 @@ __all__ = [
     "Updates",
     "UpdatesLike",
     "UpdateRule",
+    "LossRule",
     "Exclude",
     "PathLike",
 ]
@@ -46,3 +47,33 @@ UpdateRule = Callable[..., Any]
 Exclude = Union[Sequence[SharedVariable], Callable[[SharedVariable], bool]]
 #: A file path.
 PathLike = Union[str, "os.PathLike[str]"]
+
+
+_Hyper = ParamSpec("_Hyper")
+
+
+class LossRule(Protocol[_Hyper]):
+    """A loss-based rule (``adam``, ``sgd``, ...) as a type checker sees it.
+
+    ``_Hyper`` is the rule's own hyperparameters (everything after `params`),
+    taken from its definition, so one protocol types every rule: given
+    `loss_or_grads` and `params` it returns the updates; given neither, a
+    partial of the rule with those hyperparameters.
+    """
+
+    @overload
+    def __call__(
+        self,
+        loss_or_grads: None = None,
+        params: None = None,
+        *args: _Hyper.args,
+        **kwargs: _Hyper.kwargs,
+    ) -> Callable[..., Updates]: ...
+    @overload
+    def __call__(
+        self,
+        loss_or_grads: LossOrGrads,
+        params: Params,
+        *args: _Hyper.args,
+        **kwargs: _Hyper.kwargs,
+    ) -> Updates: ...

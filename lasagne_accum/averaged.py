@@ -13,9 +13,14 @@ Graph choices (measured in ``benchmarks/single_function.py``):
   the selected buffer). A select rather than the former ``0 * accu`` so that a
   NaN left in the buffer by a bad window is not carried into the next one
   (``0 * NaN`` is NaN).
-* The rule's updates sit behind one lazy ``ifelse`` (``lazy=True``, default),
-  so that the rule's arithmetic runs on stepping calls only; ``lazy=False``
-  selects with ``switch`` instead (the rule then runs every call).
+* The rule's updates sit behind one ``ifelse(keep, states, new_values)``
+  (``lazy=True``, default). When the function is compiled, a rewrite of
+  :mod:`lasagne_accum.fast_ops` turns it into a
+  :class:`~lasagne_accum.fast_ops.LazyStep` (C and Numba modes): the rule's
+  graph runs on stepping calls only and writes the new values into the state
+  buffers in place, so a non-stepping call neither computes nor copies them.
+  JAX and PyTorch keep the ``ifelse``. ``lazy=False`` selects with ``switch``
+  instead (the rule then runs every call).
 
 Buffers, counters, weighting, the non-finite check, the mean and clipping come
 from the same private core as :func:`lasagne_accum.accumulate_gradients`
@@ -120,9 +125,11 @@ def with_accumulated_gradients(
         nothing and does not count towards the `every` batches of the window
         (the window gets longer); ``.skipped`` counts such batches.
     lazy : bool
-        True (default): the rule's arithmetic sits behind a lazy ``ifelse``
-        and runs on stepping calls only. False: it is selected with
-        ``switch`` and computed every call (simpler graph, more work).
+        True (default): the rule's arithmetic sits behind an ``ifelse``,
+        compiled to a :class:`~lasagne_accum.fast_ops.LazyStep` that runs it
+        on stepping calls only, in place (JAX and PyTorch: the lazy
+        ``ifelse``). False: it is selected with ``switch`` and computed every
+        call (simpler graph, more work).
     name : str
         Prefix of the counters' names (``average.count``); any other name
         than the default also prefixes the buffers (``W.enc_grad_accu``).

@@ -57,38 +57,20 @@ __all__ = [
 ]
 
 
-class _NumpyOps:
-    """The few operations the schedules need, on numpy values."""
+class _Ops:
+    """The few operations the schedules need: numpy's on numbers, PyTensor's on expressions.
 
-    where = staticmethod(np.where)
-    minimum = staticmethod(np.minimum)
-    maximum = staticmethod(np.maximum)
-    clip = staticmethod(np.clip)
-    cos = staticmethod(np.cos)
-    floor = staticmethod(np.floor)
-    power = staticmethod(np.power)
-    sign = staticmethod(np.sign)
+    `where` is ``np.where`` or ``pt.switch``; `as_float` casts the step to float64.
+    """
 
-    @staticmethod
-    def as_float(step):
-        return np.asarray(step, dtype="float64")
+    def __init__(self, lib, where, as_float):
+        self.where, self.as_float = where, as_float
+        self.minimum, self.maximum, self.clip = lib.minimum, lib.maximum, lib.clip
+        self.cos, self.floor, self.power, self.sign = lib.cos, lib.floor, lib.power, lib.sign
 
 
-class _SymbolicOps:
-    """The same operations on PyTensor expressions."""
-
-    where = staticmethod(pt.switch)
-    minimum = staticmethod(pt.minimum)
-    maximum = staticmethod(pt.maximum)
-    clip = staticmethod(pt.clip)
-    cos = staticmethod(pt.cos)
-    floor = staticmethod(pt.floor)
-    power = staticmethod(pt.power)
-    sign = staticmethod(pt.sign)
-
-    @staticmethod
-    def as_float(step):
-        return pt.cast(step, "float64")
+_NUMPY_OPS = _Ops(np, np.where, lambda step: np.asarray(step, dtype="float64"))
+_SYMBOLIC_OPS = _Ops(pt, pt.switch, lambda step: pt.cast(step, "float64"))
 
 
 def _number(value, name, *, low=None, low_open=False, integer=False):
@@ -135,7 +117,7 @@ class Schedule:
             if not (dtype.startswith("int") or dtype.startswith("uint")
                     or dtype.startswith("float")):
                 raise TypeError(f"step must be a numeric expression, got {step.type}")
-            out = self._value(_SymbolicOps.as_float(step), _SymbolicOps)
+            out = self._value(_SYMBOLIC_OPS.as_float(step), _SYMBOLIC_OPS)
             out = pt.as_tensor_variable(out)
             if out.type.dtype != "float64":
                 out = pt.cast(out, "float64")
@@ -146,7 +128,7 @@ class Schedule:
         if isinstance(step, (bool, np.bool_)):
             raise TypeError("step must be a number or a symbolic scalar, got a bool")
         if isinstance(step, (numbers.Real, np.number)) or isinstance(step, np.ndarray):
-            out = np.asarray(self._value(_NumpyOps.as_float(step), _NumpyOps), dtype="float64")
+            out = np.asarray(self._value(_NUMPY_OPS.as_float(step), _NUMPY_OPS), dtype="float64")
             if np.ndim(step) > 0:  # type: ignore[arg-type]  # numbers.Real is not ArrayLike
                 return out + np.zeros(np.shape(step))  # type: ignore[arg-type]
             return float(out)

@@ -41,7 +41,7 @@ import functools
 import inspect
 from collections import OrderedDict
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Callable, Concatenate, ParamSpec, TypeVar, cast
 
 import numpy as np
 import pytensor.tensor as pt
@@ -63,6 +63,7 @@ if TYPE_CHECKING:
         Exclude,
         LearningRate,
         LossOrGrads,
+        LossRule,
         Params,
         Scalar,
         Updates,
@@ -70,6 +71,7 @@ if TYPE_CHECKING:
     )
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+_P = ParamSpec("_P")
 
 __all__ = [
     "sgd",
@@ -155,6 +157,18 @@ def _rule(fn: _F) -> _F:
     return wrapper  # type: ignore[return-value]  # functools.wraps keeps the signature
 
 
+def _loss_rule(
+    fn: Callable[Concatenate[LossOrGrads | None, Params | None, _P],
+                 Updates | Callable[..., Updates]],
+) -> LossRule[_P]:
+    """:func:`_rule` for a loss-based rule, typed by its hyperparameters.
+
+    Type checkers see :class:`~lasagne_accum._typing.LossRule`: the updates
+    when called with `loss_or_grads` and `params`, a partial without them.
+    """
+    return cast("LossRule[_P]", _rule(fn))
+
+
 def _state_suffix(name, default, what):
     """``W.<suffix>``: ``adam_m`` by default, ``enc_m`` with ``name="enc"``."""
     if name is None:
@@ -210,29 +224,7 @@ def _sgd(grads, params, learning_rate, name=None, cast_back=True):
     return updates
 
 
-@overload
-def sgd(
-    loss_or_grads: None = None,
-    params: None = None,
-    learning_rate: LearningRate | None = ...,
-    *,
-    average: int = ...,
-    weight: Scalar | None = ...,
-    name: str | None = ...,
-) -> Callable[..., Updates]: ...
-@overload
-def sgd(
-    loss_or_grads: LossOrGrads,
-    params: Params,
-    learning_rate: LearningRate | None = ...,
-    *,
-    average: int = ...,
-    weight: Scalar | None = ...,
-    name: str | None = ...,
-) -> Updates: ...
-
-
-@_rule
+@_loss_rule
 def sgd(
     loss_or_grads: LossOrGrads | None = None,
     params: Params | None = None,
@@ -353,31 +345,7 @@ def apply_momentum(
     return result
 
 
-@overload
-def momentum(
-    loss_or_grads: None = None,
-    params: None = None,
-    learning_rate: LearningRate | None = ...,
-    momentum: Scalar = ...,
-    *,
-    average: int = ...,
-    weight: Scalar | None = ...,
-    name: str | None = ...,
-) -> Callable[..., Updates]: ...
-@overload
-def momentum(
-    loss_or_grads: LossOrGrads,
-    params: Params,
-    learning_rate: LearningRate | None = ...,
-    momentum: Scalar = ...,
-    *,
-    average: int = ...,
-    weight: Scalar | None = ...,
-    name: str | None = ...,
-) -> Updates: ...
-
-
-@_rule
+@_loss_rule
 def momentum(
     loss_or_grads: LossOrGrads | None = None,
     params: Params | None = None,
@@ -511,31 +479,7 @@ def apply_nesterov_momentum(
     return result
 
 
-@overload
-def nesterov_momentum(
-    loss_or_grads: None = None,
-    params: None = None,
-    learning_rate: LearningRate | None = ...,
-    momentum: Scalar = ...,
-    *,
-    average: int = ...,
-    weight: Scalar | None = ...,
-    name: str | None = ...,
-) -> Callable[..., Updates]: ...
-@overload
-def nesterov_momentum(
-    loss_or_grads: LossOrGrads,
-    params: Params,
-    learning_rate: LearningRate | None = ...,
-    momentum: Scalar = ...,
-    *,
-    average: int = ...,
-    weight: Scalar | None = ...,
-    name: str | None = ...,
-) -> Updates: ...
-
-
-@_rule
+@_loss_rule
 def nesterov_momentum(
     loss_or_grads: LossOrGrads | None = None,
     params: Params | None = None,
@@ -621,31 +565,7 @@ def _adagrad(grads, params, learning_rate, epsilon, name=None):
     return updates
 
 
-@overload
-def adagrad(
-    loss_or_grads: None = None,
-    params: None = None,
-    learning_rate: LearningRate = ...,
-    epsilon: Scalar = ...,
-    *,
-    average: int = ...,
-    weight: Scalar | None = ...,
-    name: str | None = ...,
-) -> Callable[..., Updates]: ...
-@overload
-def adagrad(
-    loss_or_grads: LossOrGrads,
-    params: Params,
-    learning_rate: LearningRate = ...,
-    epsilon: Scalar = ...,
-    *,
-    average: int = ...,
-    weight: Scalar | None = ...,
-    name: str | None = ...,
-) -> Updates: ...
-
-
-@_rule
+@_loss_rule
 def adagrad(
     loss_or_grads: LossOrGrads | None = None,
     params: Params | None = None,
@@ -733,33 +653,7 @@ def _rmsprop(grads, params, learning_rate, rho, epsilon, name=None):
     return updates
 
 
-@overload
-def rmsprop(
-    loss_or_grads: None = None,
-    params: None = None,
-    learning_rate: LearningRate = ...,
-    rho: Scalar = ...,
-    epsilon: Scalar = ...,
-    *,
-    average: int = ...,
-    weight: Scalar | None = ...,
-    name: str | None = ...,
-) -> Callable[..., Updates]: ...
-@overload
-def rmsprop(
-    loss_or_grads: LossOrGrads,
-    params: Params,
-    learning_rate: LearningRate = ...,
-    rho: Scalar = ...,
-    epsilon: Scalar = ...,
-    *,
-    average: int = ...,
-    weight: Scalar | None = ...,
-    name: str | None = ...,
-) -> Updates: ...
-
-
-@_rule
+@_loss_rule
 def rmsprop(
     loss_or_grads: LossOrGrads | None = None,
     params: Params | None = None,
@@ -852,33 +746,7 @@ def _adadelta(grads, params, learning_rate, rho, epsilon, name=None):
     return updates
 
 
-@overload
-def adadelta(
-    loss_or_grads: None = None,
-    params: None = None,
-    learning_rate: LearningRate = ...,
-    rho: Scalar = ...,
-    epsilon: Scalar = ...,
-    *,
-    average: int = ...,
-    weight: Scalar | None = ...,
-    name: str | None = ...,
-) -> Callable[..., Updates]: ...
-@overload
-def adadelta(
-    loss_or_grads: LossOrGrads,
-    params: Params,
-    learning_rate: LearningRate = ...,
-    rho: Scalar = ...,
-    epsilon: Scalar = ...,
-    *,
-    average: int = ...,
-    weight: Scalar | None = ...,
-    name: str | None = ...,
-) -> Updates: ...
-
-
-@_rule
+@_loss_rule
 def adadelta(
     loss_or_grads: LossOrGrads | None = None,
     params: Params | None = None,
@@ -1017,35 +885,7 @@ def _amsgrad(grads, params, learning_rate, beta1, beta2, epsilon, name=None):
     return _adam_family(grads, params, learning_rate, beta1, beta2, epsilon, "amsgrad", name)
 
 
-@overload
-def adam(
-    loss_or_grads: None = None,
-    params: None = None,
-    learning_rate: LearningRate = ...,
-    beta1: Scalar = ...,
-    beta2: Scalar = ...,
-    epsilon: Scalar = ...,
-    *,
-    average: int = ...,
-    weight: Scalar | None = ...,
-    name: str | None = ...,
-) -> Callable[..., Updates]: ...
-@overload
-def adam(
-    loss_or_grads: LossOrGrads,
-    params: Params,
-    learning_rate: LearningRate = ...,
-    beta1: Scalar = ...,
-    beta2: Scalar = ...,
-    epsilon: Scalar = ...,
-    *,
-    average: int = ...,
-    weight: Scalar | None = ...,
-    name: str | None = ...,
-) -> Updates: ...
-
-
-@_rule
+@_loss_rule
 def adam(
     loss_or_grads: LossOrGrads | None = None,
     params: Params | None = None,
@@ -1127,35 +967,7 @@ def adam(
                   dict(learning_rate=learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon, name=name))
 
 
-@overload
-def adamax(
-    loss_or_grads: None = None,
-    params: None = None,
-    learning_rate: LearningRate = ...,
-    beta1: Scalar = ...,
-    beta2: Scalar = ...,
-    epsilon: Scalar = ...,
-    *,
-    average: int = ...,
-    weight: Scalar | None = ...,
-    name: str | None = ...,
-) -> Callable[..., Updates]: ...
-@overload
-def adamax(
-    loss_or_grads: LossOrGrads,
-    params: Params,
-    learning_rate: LearningRate = ...,
-    beta1: Scalar = ...,
-    beta2: Scalar = ...,
-    epsilon: Scalar = ...,
-    *,
-    average: int = ...,
-    weight: Scalar | None = ...,
-    name: str | None = ...,
-) -> Updates: ...
-
-
-@_rule
+@_loss_rule
 def adamax(
     loss_or_grads: LossOrGrads | None = None,
     params: Params | None = None,
@@ -1230,35 +1042,7 @@ def adamax(
                   dict(learning_rate=learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon, name=name))
 
 
-@overload
-def amsgrad(
-    loss_or_grads: None = None,
-    params: None = None,
-    learning_rate: LearningRate = ...,
-    beta1: Scalar = ...,
-    beta2: Scalar = ...,
-    epsilon: Scalar = ...,
-    *,
-    average: int = ...,
-    weight: Scalar | None = ...,
-    name: str | None = ...,
-) -> Callable[..., Updates]: ...
-@overload
-def amsgrad(
-    loss_or_grads: LossOrGrads,
-    params: Params,
-    learning_rate: LearningRate = ...,
-    beta1: Scalar = ...,
-    beta2: Scalar = ...,
-    epsilon: Scalar = ...,
-    *,
-    average: int = ...,
-    weight: Scalar | None = ...,
-    name: str | None = ...,
-) -> Updates: ...
-
-
-@_rule
+@_loss_rule
 def amsgrad(
     loss_or_grads: LossOrGrads | None = None,
     params: Params | None = None,
@@ -1538,39 +1322,7 @@ def _adamw(grads, params, learning_rate, beta1, beta2, epsilon, weight_decay, ex
     return updates
 
 
-@overload
-def adamw(
-    loss_or_grads: None = None,
-    params: None = None,
-    learning_rate: LearningRate = ...,
-    beta1: Scalar = ...,
-    beta2: Scalar = ...,
-    epsilon: Scalar = ...,
-    weight_decay: Scalar = ...,
-    *,
-    exclude: Exclude | None = ...,
-    average: int = ...,
-    weight: Scalar | None = ...,
-    name: str | None = ...,
-) -> Callable[..., Updates]: ...
-@overload
-def adamw(
-    loss_or_grads: LossOrGrads,
-    params: Params,
-    learning_rate: LearningRate = ...,
-    beta1: Scalar = ...,
-    beta2: Scalar = ...,
-    epsilon: Scalar = ...,
-    weight_decay: Scalar = ...,
-    *,
-    exclude: Exclude | None = ...,
-    average: int = ...,
-    weight: Scalar | None = ...,
-    name: str | None = ...,
-) -> Updates: ...
-
-
-@_rule
+@_loss_rule
 def adamw(
     loss_or_grads: LossOrGrads | None = None,
     params: Params | None = None,
@@ -1702,41 +1454,7 @@ def _lars(grads, params, learning_rate, momentum, weight_decay, trust_coefficien
     return updates
 
 
-@overload
-def lars(
-    loss_or_grads: None = None,
-    params: None = None,
-    learning_rate: LearningRate | None = ...,
-    momentum: Scalar = ...,
-    weight_decay: Scalar = ...,
-    trust_coefficient: Scalar = ...,
-    eps: Scalar = ...,
-    nesterov: bool = ...,
-    *,
-    exclude: Exclude | None = ...,
-    average: int = ...,
-    weight: Scalar | None = ...,
-    name: str | None = ...,
-) -> Callable[..., Updates]: ...
-@overload
-def lars(
-    loss_or_grads: LossOrGrads,
-    params: Params,
-    learning_rate: LearningRate | None = ...,
-    momentum: Scalar = ...,
-    weight_decay: Scalar = ...,
-    trust_coefficient: Scalar = ...,
-    eps: Scalar = ...,
-    nesterov: bool = ...,
-    *,
-    exclude: Exclude | None = ...,
-    average: int = ...,
-    weight: Scalar | None = ...,
-    name: str | None = ...,
-) -> Updates: ...
-
-
-@_rule
+@_loss_rule
 def lars(
     loss_or_grads: LossOrGrads | None = None,
     params: Params | None = None,
@@ -1864,39 +1582,7 @@ def _lamb(grads, params, learning_rate, beta1, beta2, epsilon, weight_decay, exc
     return updates
 
 
-@overload
-def lamb(
-    loss_or_grads: None = None,
-    params: None = None,
-    learning_rate: LearningRate = ...,
-    beta1: Scalar = ...,
-    beta2: Scalar = ...,
-    epsilon: Scalar = ...,
-    weight_decay: Scalar = ...,
-    *,
-    exclude: Exclude | None = ...,
-    average: int = ...,
-    weight: Scalar | None = ...,
-    name: str | None = ...,
-) -> Callable[..., Updates]: ...
-@overload
-def lamb(
-    loss_or_grads: LossOrGrads,
-    params: Params,
-    learning_rate: LearningRate = ...,
-    beta1: Scalar = ...,
-    beta2: Scalar = ...,
-    epsilon: Scalar = ...,
-    weight_decay: Scalar = ...,
-    *,
-    exclude: Exclude | None = ...,
-    average: int = ...,
-    weight: Scalar | None = ...,
-    name: str | None = ...,
-) -> Updates: ...
-
-
-@_rule
+@_loss_rule
 def lamb(
     loss_or_grads: LossOrGrads | None = None,
     params: Params | None = None,

@@ -423,6 +423,12 @@ def test_skip_nonfinite_drops_the_bad_batch():
 # ---------------------------------------------------------- 8. dtypes
 
 
+def _dtypes(acc):
+    """The dtypes of an accumulation: (accumulators, total, accumulated gradients)."""
+    return ([a.type.dtype for a in acc.accumulators], acc.total.type.dtype,
+            [g.type.dtype for g in acc.grads])
+
+
 def test_float16_params_accumulate_in_float32():
     # numba has no float16 type (NotImplementedError: float16), so this runs under the
     # C backend; the dtype checks are backend independent.
@@ -430,9 +436,7 @@ def test_float16_params_accumulate_in_float32():
     m = Model("float32", w_dtype="float16", b_dtype="float16")
     n = pt.iscalar("n")
     acc = accumulate_gradients(m.loss, m.params, weight=n)
-    assert [a.type.dtype for a in acc.accumulators] == ["float32", "float32"]
-    assert acc.total.type.dtype == "float32"
-    assert [g.type.dtype for g in acc.grads] == ["float16", "float16"]
+    assert _dtypes(acc) == (["float32", "float32"], "float32", ["float16", "float16"])
     apply = OrderedDict(L.sgd(acc.grads, m.params, learning_rate=0.1))
     apply.update(acc.reset)
     step = pytensor.function([m.X, m.Y, n], [], updates=acc.accumulate, mode=mode)
@@ -456,9 +460,7 @@ def test_mixed_dtypes_keep_each_dtype():
     m = Model("float64", w_dtype="float32", b_dtype="float64")
     n = pt.scalar("n")
     acc = accumulate_gradients(m.loss, m.params, weight=n)
-    assert [a.type.dtype for a in acc.accumulators] == ["float32", "float64"]
-    assert acc.total.type.dtype == "float64"
-    assert [g.type.dtype for g in acc.grads] == ["float32", "float64"]
+    assert _dtypes(acc) == (["float32", "float64"], "float64", ["float32", "float64"])
     rule = L.adam(acc.grads, m.params, learning_rate=0.01)
     state = by_name([v for v in rule if v not in m.params])
     assert state["W.adam_m"].type.dtype == "float32"

@@ -281,7 +281,13 @@ def test_precision_million_float32_updates():
 # --------------------------------------------------------------------------
 
 
-def _trained(avg_cls, n_steps=5, **kwargs):
+def _trained(kind, n_steps=5):
+    """`n_steps` steps of the average `kind` of AVERAGES over two parameters.
+
+    Returns the average, the parameters, the values set at each step, a copy
+    of the trained values and the averages.
+    """
+    avg_cls, kwargs = AVERAGES[kind]
     rng = np.random.default_rng(7)
     w64 = shared(rng.standard_normal((3, 2)), "w64")
     w32 = shared(rng.standard_normal(5).astype(np.float32), "w32")
@@ -295,7 +301,8 @@ def _trained(avg_cls, n_steps=5, **kwargs):
         a32 = rng.standard_normal(5).astype(np.float32)
         fn(a64, a32)
         history.append((a64, a32))
-    return avg, [w64, w32], history
+    params = [w64, w32]
+    return avg, params, history, _snapshot(params), avg.averages()
 
 
 AVERAGES = {
@@ -318,10 +325,7 @@ def _assert_bitwise(params, saved):
 
 @pytest.mark.parametrize("kind", list(AVERAGES))
 def test_apply_context_swaps_and_restores_bitwise(kind):
-    cls, kwargs = AVERAGES[kind]
-    avg, params, history = _trained(cls, **kwargs)
-    trained = _snapshot(params)
-    expected = avg.averages()
+    avg, params, history, trained, expected = _trained(kind)
     assert not any(np.array_equal(e, t) for e, t in zip(expected, trained))
     with avg.apply() as ctx:
         assert ctx is avg and avg.applied
@@ -339,10 +343,7 @@ def test_apply_context_swaps_and_restores_bitwise(kind):
 
 @pytest.mark.parametrize("kind", list(AVERAGES))
 def test_apply_need_restore_false_and_exception(kind):
-    cls, kwargs = AVERAGES[kind]
-    avg, params, _ = _trained(cls, **kwargs)
-    trained = _snapshot(params)
-    expected = avg.averages()
+    avg, params, _, trained, expected = _trained(kind)
 
     with avg.apply(need_restore=False):
         pass
@@ -368,10 +369,7 @@ def test_apply_need_restore_false_and_exception(kind):
 
 @pytest.mark.parametrize("kind", list(AVERAGES))
 def test_nested_apply_and_restore_without_apply_raise(kind):
-    cls, kwargs = AVERAGES[kind]
-    avg, params, _ = _trained(cls, **kwargs)
-    trained = _snapshot(params)
-    expected = avg.averages()
+    avg, params, _, trained, expected = _trained(kind)
     with pytest.raises(RuntimeError, match="restore"):
         avg.restore()
     _assert_bitwise(params, trained)
@@ -461,16 +459,26 @@ def _quadratic(rng):
     return [w, b], x, loss
 
 
+def _two_function_average(rng, *window, **kwargs):
+    """The README's two-function form of sgd on `_quadratic`, a ModelAverage in its apply.
+
+    Returns the parameters, the accumulate function (``x -> loss``), the
+    apply function and the average.
+    """
+    params, x, loss = _quadratic(rng)
+    accu, reset = accumulate_gradients(loss, params)
+    apply = sgd(accu.grads, params, 0.1)
+    apply.update(reset)
+    ma = ModelAverage(params, *window, updates=apply, **kwargs)
+    apply.update(ma.updates)
+    step_fn = pytensor.function([x], loss, updates=accu, mode=MODE)
+    apply_fn = pytensor.function([], [], updates=apply, mode=MODE)
+    return params, step_fn, apply_fn, ma
+
+
 def test_two_function_form_counts_apply_calls():
     rng = np.random.default_rng(3)
-    params, x, loss = _quadratic(rng)
-    accu, reset_upd = accumulate_gradients(loss, params)
-    apply_upd = sgd(accu.grads, params, 0.1)
-    apply_upd.update(reset_upd)
-    ma = ModelAverage(params, 0.5, 1, 3, max_num_accumulates=2, updates=apply_upd)
-    apply_upd.update(ma.updates)
-    step_fn = pytensor.function([x], loss, updates=accu, mode=MODE)
-    apply_fn = pytensor.function([], [], updates=apply_upd, mode=MODE)
+    params, step_fn, apply_fn, ma = _two_function_average(rng, 0.5, 1, 3, max_num_accumulates=2)
     ref = PaddleWindowRef([(3,), ()], 0.5, 1, 3, 2)
     for k in range(1, 13):
         for _ in range(4):
@@ -678,14 +686,7 @@ def test_a_dict_whose_step_signal_cannot_be_known_is_refused():
 
 def test_empty_flush_of_the_two_function_form_does_not_advance_the_average():
     rng = np.random.default_rng(10)
-    params, x, loss = _quadratic(rng)
-    accu, rst = accumulate_gradients(loss, params)
-    apply = sgd(accu.grads, params, 0.1)
-    apply.update(rst)
-    ma = ModelAverage(params, 0.5, 2, 4, updates=apply)
-    apply.update(ma.updates)
-    step_fn = pytensor.function([x], [], updates=accu, mode=MODE)
-    apply_fn = pytensor.function([], [], updates=apply, mode=MODE)
+    params, step_fn, apply_fn, ma = _two_function_average(rng, 0.5, 2, 4)
     apply_fn()  # nothing accumulated
     assert int(ma.num_updates.get_value()) == 0 and ma.steps == 0
     step_fn(rng.standard_normal(3))

@@ -250,11 +250,16 @@ def _three_worker_server(on_timeout):
 
 
 def _push_in_threads(server, pushes):
+    """Push each ``(worker, seq, grads, weight, version)`` from a thread of its own.
+
+    Returns ``{worker: its reply, or the exception it raised}`` and the seconds
+    until every thread was joined.
+    """
     out, threads = {}, []
-    for wid, seq, g, weight, version in pushes:
-        def run(wid=wid, seq=seq, g=g, weight=weight, version=version):
+    for wid, seq, grads, weight, version in pushes:
+        def run(wid=wid, seq=seq, grads=grads, weight=weight, version=version):
             try:
-                out[wid] = server.push(wid, seq, {"w": g}, weight=weight, version=version)
+                out[wid] = server.push(wid, seq, grads, weight=weight, version=version)
             except Exception as exc:
                 out[wid] = exc
         threads.append(threading.Thread(target=run))
@@ -269,13 +274,15 @@ def _push_in_threads(server, pushes):
 def test_sync_dead_worker_round_closes_after_timeout():
     server = _three_worker_server("close")
     ga, gb = np.array([1.0, 0.0]), np.array([0.0, 4.0])
-    out, elapsed = _push_in_threads(server, [("a", 0, ga, 1.0, (0,)), ("b", 0, gb, 3.0, (0,))])
+    out, elapsed = _push_in_threads(server, [("a", 0, {"w": ga}, 1.0, (0,)),
+                                             ("b", 0, {"w": gb}, 3.0, (0,))])
     assert 0.95 < elapsed < 10
     info = out["a"]["shards"]["w"]
     assert info["timed_out"] and info["dropped"] == ["dead"] and info["workers"] == ["a", "b"]
     np.testing.assert_allclose(server.pull()[1]["w"], -(ga * 1 + gb * 3) / 4)
     # the server keeps serving: the next round closes with the live workers at once
-    out, elapsed = _push_in_threads(server, [("a", 1, ga, 1.0, (1,)), ("b", 1, gb, 1.0, (1,))])
+    out, elapsed = _push_in_threads(server, [("a", 1, {"w": ga}, 1.0, (1,)),
+                                             ("b", 1, {"w": gb}, 1.0, (1,))])
     assert elapsed < 0.9 and not out["a"]["shards"]["w"]["timed_out"]
     assert server.stats()["version"] == (2,)
     with pytest.raises(UnknownWorkerError, match="dropped after missing the timeout"):
@@ -288,14 +295,16 @@ def test_sync_dead_worker_round_fails_with_clear_error():
     server = _three_worker_server("fail")
     before = state_of(server)
     ga, gb = np.array([1.0, 0.0]), np.array([0.0, 4.0])
-    out, _ = _push_in_threads(server, [("a", 0, ga, 1.0, (0,)), ("b", 0, gb, 1.0, (0,))])
+    out, _ = _push_in_threads(server, [("a", 0, {"w": ga}, 1.0, (0,)),
+                                       ("b", 0, {"w": gb}, 1.0, (0,))])
     for w in "ab":
         assert isinstance(out[w], RoundTimeoutError)
         assert "'dead'" in str(out[w]) and "timed out" in str(out[w])
     assert_same_state(state_of(server), before)                # nothing applied
     assert server.stats()["live_workers"] == ["a", "b"]
     # still serving: the same pushes (same ids: they were not applied) go through
-    out, elapsed = _push_in_threads(server, [("a", 0, ga, 1.0, (0,)), ("b", 0, gb, 1.0, (0,))])
+    out, elapsed = _push_in_threads(server, [("a", 0, {"w": ga}, 1.0, (0,)),
+                                             ("b", 0, {"w": gb}, 1.0, (0,))])
     assert elapsed < 0.9 and out["a"]["applied"]
     np.testing.assert_allclose(server.pull()[1]["w"], -(ga + gb) / 2)
 
@@ -527,27 +536,15 @@ def test_rejected_push_is_atomic_sync_and_the_round_does_not_hang():
     with pytest.raises(PushRejected, match="version 3 does not exist"):
         server.push("a", 0, {"w": np.ones(2), "b": np.ones(1)}, version=(0, 3), wait=False)
     assert all(s["pending"] == 0 for s in server.stats()["shards"].values())
-    out, elapsed = _push_in_threads_2(server, [("a", 0), ("b", 0)])
+    out, elapsed = _push_ones_in_threads(server, [("a", 0), ("b", 0)])
     assert elapsed < 5 and out["a"]["applied"] and out["b"]["applied"]
     assert server.stats()["version"] == (1, 1)
 
 
-def _push_in_threads_2(server, pushes):
-    out, threads = {}, []
-    for wid, seq in pushes:
-        def run(wid=wid, seq=seq):
-            try:
-                out[wid] = server.push(wid, seq, {"w": np.ones(2), "b": np.ones(1)},
-                                       version=(seq, seq))
-            except Exception as exc:
-                out[wid] = exc
-        threads.append(threading.Thread(target=run))
-    start = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=10)
-    return out, time.monotonic() - start
+def _push_ones_in_threads(server, pushes):
+    """Each ``(worker, seq)`` pushes ones to shards w and b from version ``(seq, seq)``."""
+    return _push_in_threads(server, [(wid, seq, {"w": np.ones(2), "b": np.ones(1)}, 1.0,
+                                      (seq, seq)) for wid, seq in pushes])
 
 
 def test_failing_apply_fails_the_sync_round_and_the_server_keeps_serving():
@@ -558,9 +555,9 @@ def test_failing_apply_fails_the_sync_round_and_the_server_keeps_serving():
                              dict(learning_rate=schedule), mode="sync", wait_timeout=10.0)
     for w in "ab":
         server.register(w)
-    _push_in_threads_2(server, [("a", 0), ("b", 0)])
+    _push_ones_in_threads(server, [("a", 0), ("b", 0)])
     before = state_of(server)
-    out, elapsed = _push_in_threads_2(server, [("a", 1), ("b", 1)])
+    out, elapsed = _push_ones_in_threads(server, [("a", 1), ("b", 1)])
     assert elapsed < 10
     for w in "ab":
         assert isinstance(out[w], RoundFailedError), out[w]
@@ -572,7 +569,7 @@ def test_failing_apply_fails_the_sync_round_and_the_server_keeps_serving():
     assert server.pull()[0] == (1, 1) and server.register("c")[0] == (1, 1)
     server.unregister("c")
     broken["on"] = False
-    out, _ = _push_in_threads_2(server, [("a", 1), ("b", 1)])      # the same ids, applied now
+    out, _ = _push_ones_in_threads(server, [("a", 1), ("b", 1)])      # the same ids, applied now
     assert out["a"]["applied"] and out["b"]["applied"]
     np.testing.assert_array_equal(server.pull()[1]["w"], [-1.0, -1.0])
 

@@ -24,6 +24,7 @@ pytest.importorskip("sklearn")
 
 import cross_minibatch  # noqa: E402
 import digits_cnn  # noqa: E402
+import distributed_digits  # noqa: E402
 import large_batch_small_memory  # noqa: E402
 import mlp_digits  # noqa: E402
 import model_average  # noqa: E402
@@ -246,9 +247,19 @@ def test_mlp_digits(capsys):
                      r"\d+\.\d s$", captured.err, re.M)
 
 
+def test_distributed_digits_local_sync(capsys):
+    distributed_digits.main(["--epochs", "1", "--workers", "2"])
+    out = capsys.readouterr().out
+    # 1348 training digits, 674 per worker: 22 batches of 32 each (the last of 2), one
+    # push per batch, and a sync round (one optimizer step) per pair of pushes
+    assert re.search(r"^44 pushes \(\d+/s\), optimizer steps 22, ", out, re.M)
+    assert float(re.search(r"test accuracy (\d\.\d+)", out).group(1)) > 0.5
+
+
 # ------------------------------------------------------------------- --help
 
-ALL_EXAMPLES = [cross_minibatch, digits_cnn, large_batch_small_memory, mlp_digits, model_average]
+ALL_EXAMPLES = [cross_minibatch, digits_cnn, distributed_digits, large_batch_small_memory,
+                mlp_digits, model_average]
 
 
 @pytest.mark.parametrize("module", ALL_EXAMPLES, ids=lambda m: m.__name__)

@@ -32,16 +32,9 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .checks import (
-    PushRejected,
-    RoundFailedError,
-    RoundTimeoutError,
-    ServerOptions,
-    ServerTimeoutError,
-    ShardLostError,
-    StalePushError,
-    UnknownWorkerError,
-)
+from . import checks
+from .checks import *  # noqa: F403  ServerOptions and the exceptions: checks.__all__
+from .checks import ServerOptions, ShardLostError
 from ..state import save_arrays
 from .local import run_local
 from .server import ParameterServer
@@ -51,22 +44,8 @@ from .worker import Worker, model_spec
 if TYPE_CHECKING:
     from .._typing import PathLike, UpdateRule
 
-__all__ = [
-    "train",
-    "TrainResult",
-    "ParameterServer",
-    "Shard",
-    "Worker",
-    "ServerOptions",
-    "PushRejected",
-    "UnknownWorkerError",
-    "StalePushError",
-    "RoundFailedError",
-    "RoundTimeoutError",
-    "ServerTimeoutError",
-    "ShardLostError",
-    "run_local",
-]
+__all__ = ["train", "TrainResult", "ParameterServer", "Shard", "Worker", "run_local"]
+__all__ += checks.__all__
 
 BACKENDS = ("local", "dask")
 

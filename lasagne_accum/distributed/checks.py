@@ -14,6 +14,7 @@ import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Variable
 
+# The public names, re-exported by lasagne_accum.distributed (MODES, MERGES: by name).
 __all__ = [
     "ServerOptions",
     "PushRejected",
@@ -23,8 +24,6 @@ __all__ = [
     "RoundTimeoutError",
     "ServerTimeoutError",
     "ShardLostError",
-    "MODES",
-    "MERGES",
 ]
 
 MODES = ("sync", "async")

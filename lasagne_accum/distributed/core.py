@@ -1,4 +1,8 @@
-"""The parameter server's pieces, re-exported from the modules that hold them.
+"""Former home of the parameter server (before 0.2.0): its names, for old imports.
+
+``from lasagne_accum.distributed.core import Shard`` keeps working; new code
+imports :mod:`lasagne_accum.distributed` (the public API) or the module that
+holds a name:
 
 * :mod:`~lasagne_accum.distributed.checks`: input checks, :class:`ServerOptions`, exceptions;
 * :mod:`~lasagne_accum.distributed.rounds`: a shard's bookkeeping (plain Python);
@@ -14,49 +18,17 @@ computed from`` is recorded, and ``staleness_scale=True`` multiplies the
 step by ``1 / max(1, staleness)``). Versions are per shard.
 """
 
-from .checks import (  # noqa: F401
-    MERGES,
-    MODES,
-    PushRejected,
-    RoundFailedError,
-    RoundTimeoutError,
-    ServerOptions,
-    ServerTimeoutError,
-    ShardLostError,
-    StalePushError,
-    UnknownWorkerError,
-    check_grads,
-    named_params,
-    param_specs,
-    plan_shards,
-)
-from .rounds import Rounds, Seen  # noqa: F401
-from .server import BaseServer, ParameterServer  # noqa: F401
-from .shard import ApplyFunction, Shard, push_atomic  # noqa: F401
-from .worker import Worker, model_spec  # noqa: F401
+from . import checks, rounds, server, shard
+from .checks import *  # noqa: F403
+from .checks import MERGES, MODES, check_grads, named_params, param_specs, plan_shards
+from .rounds import *  # noqa: F403
+from .server import *  # noqa: F403
+from .shard import *  # noqa: F403
+from .worker import Worker, model_spec
 
-__all__ = [
-    "ParameterServer",
-    "BaseServer",
-    "Shard",
-    "Worker",
-    "ServerOptions",
-    "PushRejected",
-    "UnknownWorkerError",
-    "StalePushError",
-    "RoundFailedError",
-    "RoundTimeoutError",
-    "ServerTimeoutError",
-    "ShardLostError",
-    "MODES",
-    "MERGES",
-    "ApplyFunction",
-    "Rounds",
-    "Seen",
-    "push_atomic",
-    "check_grads",
-    "named_params",
-    "param_specs",
-    "plan_shards",
-    "model_spec",
-]
+__all__ = ["Worker", "model_spec", "MODES", "MERGES",
+           "check_grads", "named_params", "param_specs", "plan_shards"]
+__all__ += checks.__all__
+__all__ += rounds.__all__
+__all__ += server.__all__
+__all__ += shard.__all__
