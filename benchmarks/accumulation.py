@@ -54,8 +54,8 @@ HERE = os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from common import (  # noqa: E402  (no heavy imports)
-    BATCH, LR, SIZES, THREAD_VARS, have_module, openblas_threads, per_call, run_workers, serve,
-    time_windows, worker_io, worker_log,
+    BATCH, LR, SIZES, THREAD_VARS, have_module, inplace_writes, openblas_threads, per_call,
+    run_workers, serve, time_windows, worker_io, worker_log,
 )
 
 DTYPES = ("float32", "float64")
@@ -76,23 +76,6 @@ def shared_inputs(*fns):
             if isinstance(i.variable, SharedVariable):
                 seen[id(i.variable)] = i.variable
     return list(seen.values())
-
-
-def inplace_on(fn, variables):
-    """{name: [op, ...]} for the nodes that destroy (write in place) `variables`."""
-    fg = fn.maker.fgraph
-    ids = {id(v) for v in variables}
-    by_input = {fg.inputs[k]: i.variable.name for k, i in enumerate(fn.maker.inputs)
-                if id(i.variable) in ids}
-    out = {name: [] for name in by_input.values()}
-    for node in fg.toposort():
-        for _, destroyed in getattr(node.op, "destroy_map", {}).items():
-            for j in destroyed:
-                if node.inputs[j] in by_input:
-                    out[by_input[node.inputs[j]]].append(str(node.op).split("{")[0]
-                                                          + ("{inplace}" if "Gemm" in str(node.op)
-                                                             else "(inplace)"))
-    return out
 
 
 def allocs_in(fn):
@@ -184,9 +167,9 @@ def memory_checks(b):
         "acc_peak": acc_peak, "acc_net": acc_net,
         "acc_same_buffers": addr0 == addr1,
         "fb_cvm_peak": fb_peak, "apply_peak": max(apply_only),
-        "inplace_acc": inplace_on(acc_fn, accs),
+        "inplace_acc": inplace_writes(acc_fn, accs),
         "apply_allocs": allocs_in(apply_fn),
-        "apply_inplace_params": {k: v for k, v in inplace_on(apply_fn, params).items()},
+        "apply_inplace_params": {k: v for k, v in inplace_writes(apply_fn, params).items()},
     }
 
 

@@ -66,8 +66,8 @@ HERE = os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from common import (  # noqa: E402  (no heavy imports)
-    have_module, load_average, median, openblas_threads, per_call, run_workers, serve,
-    time_calls, worker_io, worker_log,
+    have_module, inplace_writes, load_average, median, openblas_threads, per_call,
+    run_workers, serve, time_calls, worker_io, worker_log,
 )
 
 DTYPES = ("float32", "float64")
@@ -137,16 +137,8 @@ def inspect_fn(fn, dtype, accs=()):
             {str(n.op) for n, th in zip(vm.nodes, thunks) if not hasattr(th, "cthunk")}
         )
     if accs:
-        acc_in = {
-            fg.inputs[i]: i_in.variable.name
-            for i, i_in in enumerate(fn.maker.inputs)
-            if i_in.variable in set(accs)
-        }
-        gemm_on_acc = []
-        for n in nodes:
-            if "Gemm" in type(n.op).__name__ and n.inputs and n.inputs[0] in acc_in:
-                gemm_on_acc.append(f"{n.op} on {acc_in[n.inputs[0]]}")
-        info["gemm_on_acc"] = gemm_on_acc
+        info["gemm_on_acc"] = [f"{op} on {name}" for name, ops in inplace_writes(fn, accs).items()
+                               for op in ops if "Gemm" in op]
     return info
 
 

@@ -10,7 +10,8 @@ Every script under ``benchmarks/`` (``distributed.py`` aside) builds on this:
   functions on that model (``lasagne_accum.compile_accumulation`` with
   ``lasagne_accum.adam``), in the library's default modes or a given one;
   :func:`torch_loop` is PyTorch's own accumulation loop on the same values
-  (``loss.backward()`` into ``.grad``, ``torch.optim.Adam``).
+  (``loss.backward()`` into ``.grad``, ``torch.optim.Adam``);
+  :func:`inplace_writes` lists what a compiled function writes in place.
 * **Timing.** :func:`per_call` (per-call wall times), :func:`time_calls`
   (mean or median of back-to-back calls, after a warm-up),
   :func:`time_windows` (accumulate and apply calls of windows of N batches,
@@ -183,6 +184,28 @@ def set_torch_threads(threads=0):
     torch.set_num_threads(threads or openblas_threads().get("system_openblas")
                           or os.cpu_count())
     return torch.get_num_threads()
+
+
+def inplace_writes(fn, variables):
+    """``{name: [op, ...]}``: the nodes of compiled `fn` that write `variables` in place.
+
+    A node writes an input in place when its op's ``destroy_map`` names it
+    (``Gemm{inplace}`` accumulating into a buffer, an elementwise op
+    updating a parameter); `variables` are shared variables of `fn`.
+    """
+    fg = fn.maker.fgraph
+    ids = {id(v) for v in variables}
+    by_input = {fg.inputs[k]: i.variable.name for k, i in enumerate(fn.maker.inputs)
+                if id(i.variable) in ids}
+    out = {name: [] for name in by_input.values()}
+    for node in fg.toposort():
+        for destroyed in getattr(node.op, "destroy_map", {}).values():
+            for j in destroyed:
+                if node.inputs[j] in by_input:
+                    op = str(node.op)
+                    out[by_input[node.inputs[j]]].append(
+                        op.split("{")[0] + ("{inplace}" if "Gemm" in op else "(inplace)"))
+    return out
 
 
 # --------------------------------------------------------------------------

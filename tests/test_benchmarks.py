@@ -3,8 +3,8 @@
 Timings are never asserted (the machine is shared). The fast tests check the
 harness: that no script imports another script but ``common``, that the one
 model gives the same loss in PyTensor, PyTorch and JAX as a numpy
-re-derivation, and that the timing helpers call what they time as often as
-they say. The slow test runs each script with ``--quick`` and checks that it
+re-derivation, that the timing helpers call what they time as often as they
+say, and what the graph inspection reports. The slow test runs each script with ``--quick`` and checks that it
 finishes, prints the load average, and that the numbers of one row of its
 table are positive and finite (each script compiles its functions in fresh
 worker processes): deselect it with ``-m "not slow"``.
@@ -120,6 +120,22 @@ def test_time_windows_times_every_call(common):
     assert log == ["b", "b", "b", "apply"] * 2
     assert (len(acc_t), len(apply_t)) == (6, 2)
     assert all(t >= 0 for t in acc_t + apply_t)
+
+
+def test_inplace_writes_names_the_ops(common):
+    """A Gemm accumulating into one variable, an elementwise op on another, none on a third."""
+    import pytensor.tensor as pt
+    from pytensor.compile.mode import Mode
+
+    w = pytensor.shared(np.zeros((3, 2)), name="w")
+    v = pytensor.shared(np.zeros(2), name="v")
+    u = pytensor.shared(np.ones(2), name="u")
+    x, y = pt.matrix("x"), pt.matrix("y")
+    # the C backend's rewrites (in-place Gemm and elementwise ops), nothing compiled
+    mode = Mode(linker="py", optimizer="fast_run").excluding("fusion")
+    fn = pytensor.function([x, y], u.sum(), updates={w: w + x @ y, v: v * 0.5}, mode=mode)
+    assert common.inplace_writes(fn, [w, v, u]) == {
+        "w": ["Gemm{inplace}"], "v": ["Mul(inplace)"], "u": []}
 
 
 @pytest.mark.slow
