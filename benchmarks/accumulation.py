@@ -30,9 +30,10 @@ Measured (and checked against the targets in the final summary):
 
 Timing (``common.run_workers``): one persistent worker process for PyTensor
 (both dtypes) and one for torch; each round the parent asks each worker in turn
-(alternating the order) to time every kind of call; within a round the kinds alternate every ~20 calls
-(rotating their order), so that load bursts hit all kinds alike; each kind's
-number is the median over rounds of the per-round median per call.
+(alternating the order) to time every kind of call; within a round the kinds
+alternate every ~20 calls (rotating their order), so that load bursts hit all
+kinds alike; each kind's number is the median over rounds of the per-round
+median per call.
 
     python benchmarks/accumulation.py              # full run (~2-4 minutes)
     python benchmarks/accumulation.py --quick      # smoke test (< 90 s)
@@ -169,7 +170,7 @@ def memory_checks(b):
         "fb_cvm_peak": fb_peak, "apply_peak": max(apply_only),
         "inplace_acc": inplace_writes(acc_fn, accs),
         "apply_allocs": allocs_in(apply_fn),
-        "apply_inplace_params": {k: v for k, v in inplace_writes(apply_fn, params).items()},
+        "apply_inplace_params": inplace_writes(apply_fn, params),
     }
 
 

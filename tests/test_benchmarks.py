@@ -4,10 +4,11 @@ Timings are never asserted (the machine is shared). The fast tests check the
 harness: that no script imports another script but ``common``, that the one
 model gives the same loss in PyTensor, PyTorch and JAX as a numpy
 re-derivation, that the timing helpers call what they time as often as they
-say, and what the graph inspection reports. The slow test runs each script with ``--quick`` and checks that it
-finishes, prints the load average, and that the numbers of one row of its
-table are positive and finite (each script compiles its functions in fresh
-worker processes): deselect it with ``-m "not slow"``.
+say, and what the graph inspection reports. The slow test runs each script
+with ``--quick`` and checks that it finishes, prints the load average, and
+that the numbers of one row of its table are positive and finite (each script
+compiles its functions in fresh worker processes): deselect it with
+``-m "not slow"``.
 """
 
 import ast
