@@ -18,21 +18,22 @@ Measured (and checked against the targets in the final summary):
    compiled graph (``destroy_map``) and whether the buffers keep their address;
 3. accumulate step and adam apply step vs PyTorch's own loop on the same model,
    float32, in its own process (``loss.backward()`` accumulating into ``.grad``;
-   ``torch.optim.Adam.step()`` + ``zero_grad()`` as the apply step), torch
-   threads = OpenBLAS threads;
+   ``torch.optim.Adam.step()`` + ``zero_grad()`` as the apply step:
+   ``common.torch_loop``), torch threads = ``--threads``, else OpenBLAS threads;
 4. apply step / accumulate step;
 5. peak memory of one effective batch of N*B examples by accumulation
    (N accumulate calls + 1 apply, B at a time) vs one plain N*B batch
    (one call of a CVM function computing the grads and applying adam),
-   N = 1, 2, 4, 8, 16, each in a fresh process;
+   N = 1, 2, 4, 8, 16 (``--quick``: 1, 4, 16), in the PyTensor worker;
 6. a naive loop (fwd-bwd function returning the grads, ``acc += g`` in numpy)
    vs our accumulate step, per batch.
 
-Timing: one persistent worker process for PyTensor (both dtypes) and one for
-torch; each round the parent asks each worker in turn (alternating the order)
-to time every kind of call; within a round the kinds alternate every ~20 calls
-(rotating their order), so that load bursts hit all kinds alike; each kind's
-number is the median over rounds of the per-round median per call.
+Timing (``common.run_workers``): one persistent worker process for PyTensor
+(both dtypes) and one for torch; each round the parent asks each worker in turn
+(alternating the order) to time every kind of call; within a round the kinds
+alternate every ~20 calls (rotating their order), so that load bursts hit all
+kinds alike; each kind's number is the median over rounds of the per-round
+median per call.
 
     python benchmarks/accumulation.py              # full run (~2-4 minutes)
     python benchmarks/accumulation.py --quick      # smoke test (< 90 s)
@@ -44,12 +45,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 T_START = time.perf_counter()
@@ -57,7 +55,8 @@ HERE = os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from common import (  # noqa: E402  (no heavy imports)
-    BATCH, PROTO, SIZES, THREAD_VARS, openblas_threads, per_call, read_proto, worker_io,
+    BATCH, LR, SIZES, THREAD_VARS, have_module, inplace_writes, openblas_threads, per_call,
+    run_workers, serve, time_windows, worker_io, worker_log,
 )
 
 DTYPES = ("float32", "float64")
@@ -78,23 +77,6 @@ def shared_inputs(*fns):
             if isinstance(i.variable, SharedVariable):
                 seen[id(i.variable)] = i.variable
     return list(seen.values())
-
-
-def inplace_on(fn, variables):
-    """{name: [op, ...]} for the nodes that destroy (write in place) `variables`."""
-    fg = fn.maker.fgraph
-    ids = {id(v) for v in variables}
-    by_input = {fg.inputs[k]: i.variable.name for k, i in enumerate(fn.maker.inputs)
-                if id(i.variable) in ids}
-    out = {name: [] for name in by_input.values()}
-    for node in fg.toposort():
-        for _, destroyed in getattr(node.op, "destroy_map", {}).items():
-            for j in destroyed:
-                if node.inputs[j] in by_input:
-                    out[by_input[node.inputs[j]]].append(str(node.op).split("{")[0]
-                                                          + ("{inplace}" if "Gemm" in str(node.op)
-                                                             else "(inplace)"))
-    return out
 
 
 def allocs_in(fn):
@@ -127,14 +109,6 @@ def traced_call(fn, repeat=10):
     return max(peaks), max(nets)
 
 
-def set_torch_threads(args):
-    import torch
-
-    n = args.threads or openblas_threads().get("system_openblas") or os.cpu_count()
-    torch.set_num_threads(n)
-    return torch.get_num_threads()
-
-
 # --------------------------------------------------------------------------
 # PyTensor timing worker
 # --------------------------------------------------------------------------
@@ -142,13 +116,10 @@ def build_pt(dtype, every):
     import numpy as np
     import pytensor
 
-    import lasagne_accum as la
-    from common import batch, mlp
+    from common import batch, trainer
 
-    (x, y), params, loss = mlp(dtype)
     t0 = time.perf_counter()
-    trainer = la.compile_accumulation([x, y], loss, params, la.adam,
-                                      dict(learning_rate=1e-3), every=every)
+    (x, y), params, loss, tr = trainer(dtype, every=every)
     grads = pytensor.grad(loss, params)
     fb = {m: pytensor.function([x, y], grads, mode=m) for m in ("CVM", "NUMBA")}
     compile_s = time.perf_counter() - t0
@@ -167,25 +138,14 @@ def build_pt(dtype, every):
         "naive-CVM": naive(fb["CVM"]),
         "naive-NUMBA": naive(fb["NUMBA"]),
     }
-    return dict(trainer=trainer, params=params, fb=fb, calls=calls, data=(xv, yv),
+    return dict(trainer=tr, params=params, fb=fb, calls=calls, data=(xv, yv),
                 compile_s=compile_s, naive_acc=naive_acc)
 
 
 def time_window(trainer, data, windows):
     """Accumulate/apply times (s) over `windows` windows of trainer.every batches."""
-    clock = time.perf_counter
-    acc_fn, apply_fn = trainer.accumulate_fn, trainer.apply_fn
-    acc_t, apply_t = [], []
     assert trainer.pending == 0
-    for _ in range(windows):
-        for _ in range(trainer.every):
-            t0 = clock()
-            acc_fn(*data)
-            acc_t.append(clock() - t0)
-        t0 = clock()
-        apply_fn()
-        apply_t.append(clock() - t0)
-    return acc_t, apply_t
+    return time_windows(trainer.accumulate_fn, trainer.apply_fn, trainer.every, windows, data)
 
 
 def memory_checks(b):
@@ -208,9 +168,9 @@ def memory_checks(b):
         "acc_peak": acc_peak, "acc_net": acc_net,
         "acc_same_buffers": addr0 == addr1,
         "fb_cvm_peak": fb_peak, "apply_peak": max(apply_only),
-        "inplace_acc": inplace_on(acc_fn, accs),
+        "inplace_acc": inplace_writes(acc_fn, accs),
         "apply_allocs": allocs_in(apply_fn),
-        "apply_inplace_params": {k: v for k, v in inplace_on(apply_fn, params).items()},
+        "apply_inplace_params": inplace_writes(apply_fn, params),
     }
 
 
@@ -247,11 +207,8 @@ def worker_pt(args):
         "mem": mem, "mem5": mem5,
         "phases": {k: round(v, 1) for k, v in phases.items()},
     }
-    proto.write(PROTO + json.dumps({"ready": meta}) + "\n")
-    for line in sys.stdin:
-        if not line.startswith("run"):
-            break
-        r = int(line.split()[1])
+
+    def measure(r):
         times = {}
         n_slices = max(1, args.calls // 20)  # kinds alternate every ~20 calls
         calls = max(1, args.calls // n_slices)
@@ -269,8 +226,9 @@ def worker_pt(args):
                     else:
                         times.setdefault(f"{dt}/{k}", []).extend(
                             per_call(b["calls"][k], calls))
-        res = {k: statistics.median(v) for k, v in times.items()}
-        proto.write(PROTO + json.dumps({"result": res}) + "\n")
+        return {k: statistics.median(v) for k, v in times.items()}
+
+    serve(proto, meta, measure)
     if args.profile:  # after the timing: profiled functions are separate copies
         profile_trainer(args)
 
@@ -279,25 +237,20 @@ def profile_trainer(args):
     """PyTensor profiles of the library's two functions and fwd-bwd (CVM), to stderr."""
     import pytensor
 
-    import lasagne_accum as la
-    from common import batch, mlp
+    from common import batch, trainer
 
     for dt in DTYPES:
-        (x, y), params, loss = mlp(dt)
-        acc = la.accumulate_gradients(loss, params)
-        apply = acc.guard(la.adam(acc.grads, params, 1e-3))
-        apply.update(acc.reset)
-        m_acc, m_apply = la.training.default_modes()
-        fa = pytensor.function([x, y], loss, updates=acc.accumulate, mode=m_acc, profile=True)
-        fp = pytensor.function([], [], updates=apply, mode=m_apply, profile=True)
-        fb = pytensor.function([x, y], pytensor.grad(loss, params), mode="CVM", profile=True)
+        with pytensor.config.change_flags(profile=True):
+            (x, y), params, loss, tr = trainer(dt, every=args.every)
+            fb = pytensor.function([x, y], pytensor.grad(loss, params), mode="CVM")
         xv, yv = batch(dt)
         for _ in range(300):
             for _ in range(args.every):
-                fa(xv, yv)
+                tr.accumulate_fn(xv, yv)
                 fb(xv, yv)
-            fp()
-        for name, f in (("fwd-bwd CVM", fb), ("accumulate", fa), ("apply", fp)):
+            tr.apply_fn()
+        for name, f in (("fwd-bwd CVM", fb), ("accumulate", tr.accumulate_fn),
+                        ("apply", tr.apply_fn)):
             print(f"\n######## profile {dt} {name}", file=sys.stderr)
             f.profile.summary(file=sys.stderr)
 
@@ -308,48 +261,21 @@ def profile_trainer(args):
 def worker_torch(args):
     import torch
 
-    from common import batch, torch_mlp
+    from common import set_torch_threads, torch_loop
 
     proto = worker_io()
-    n_threads = set_torch_threads(args)
-    meta = {"torch": torch.__version__, "torch_threads": n_threads,
+    meta = {"torch": torch.__version__, "torch_threads": set_torch_threads(args.threads),
             "openblas_threads": openblas_threads(), "mkl": torch.backends.mkl.is_available()}
-    params, loss_fn = torch_mlp("float32")
-    x, y = batch("float32")
-    opt = torch.optim.Adam(params, lr=1e-3)
-    x, y = torch.from_numpy(x), torch.from_numpy(y)
+    loop = torch_loop("float32")
 
-    def accumulate():
-        loss = loss_fn(params, x, y)
-        loss.backward()  # adds into .grad (no zero_grad between batches)
-        return loss.detach()
+    def measure(r):
+        a, p = time_windows(loop.accumulate, loop.apply, args.every,
+                            max(1, args.calls // args.every))
+        return {"float32/torch-acc": statistics.median(a),
+                "float32/torch-apply": statistics.median(p)}
 
-    def apply():
-        opt.step()
-        opt.zero_grad()  # PyTorch's default: set_to_none=True
-
-    def window(n):
-        clock = time.perf_counter
-        acc_t, apply_t = [], []
-        for _ in range(n):
-            for _ in range(args.every):
-                t0 = clock()
-                accumulate()
-                acc_t.append(clock() - t0)
-            t0 = clock()
-            apply()
-            apply_t.append(clock() - t0)
-        return acc_t, apply_t
-
-    window(3)
-    proto.write(PROTO + json.dumps({"ready": meta}) + "\n")
-    for line in sys.stdin:
-        if not line.startswith("run"):
-            break
-        a, p = window(max(1, args.calls // args.every))
-        proto.write(PROTO + json.dumps({"result": {
-            "float32/torch-acc": statistics.median(a),
-            "float32/torch-apply": statistics.median(p)}}) + "\n")
+    time_windows(loop.accumulate, loop.apply, args.every, 3)  # warm-up
+    serve(proto, meta, measure)
 
 
 # --------------------------------------------------------------------------
@@ -373,7 +299,7 @@ def memory_table(trainer, ns):
 
     dtype, B = "float32", BATCH
     (x, y), params, loss = mlp(dtype)
-    plain = pytensor.function([x, y], loss, updates=la.adam(loss, params, 1e-3), mode="CVM")
+    plain = pytensor.function([x, y], loss, updates=la.adam(loss, params, LR), mode="CVM")
     state = {"accum": shared_inputs(trainer.accumulate_fn, trainer.apply_fn),
              "plain": shared_inputs(plain)}
     rng = np.random.default_rng(1)
@@ -426,34 +352,13 @@ def memory_table(trainer, ns):
 # --------------------------------------------------------------------------
 # parent
 # --------------------------------------------------------------------------
-def worker_env(args):
-    env = dict(os.environ)
-    if args.threads:
-        for var in THREAD_VARS:
-            env[var] = str(args.threads)
-    return env
-
-
-def worker_cmd(args, *extra):
-    cmd = [sys.executable, HERE, "--calls", str(args.calls), "--every", str(args.every)]
-    if args.threads:
-        cmd += ["--threads", str(args.threads)]
+def worker_args(args):
+    out = ["--calls", str(args.calls), "--every", str(args.every)]
     if args.profile:
-        cmd.append("--profile")
+        out.append("--profile")
     if args.quick:
-        cmd.append("--quick")
-    return cmd + list(extra)
-
-
-def start_worker(args, kind, log):
-    return subprocess.Popen(worker_cmd(args, "--worker", kind), env=worker_env(args),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                            text=True, bufsize=1)
-
-
-def have_torch():
-    return subprocess.run([sys.executable, "-c", "import torch"],
-                          capture_output=True).returncode == 0
+        out.append("--quick")
+    return out
 
 
 def mb(nbytes):
@@ -467,39 +372,17 @@ def verdict(ok):
 def parent_main(args):
     t_start = time.perf_counter()
     load0 = os.getloadavg()
-    log = tempfile.NamedTemporaryFile("w+", prefix="accumulation-bench-", suffix=".log",
-                                      delete=False)
-    use_torch = have_torch()
+    log = worker_log("accumulation-bench")
+    use_torch = have_module("torch")
 
-    # ---- workers: set up side by side (compilation, warm-up, memory checks) ----
-    workers = {"pytensor": start_worker(args, "pytensor", log)}
-    if use_torch:
-        workers["torch"] = start_worker(args, "torch", log)
-    try:
-        meta = {name: read_proto(w)["ready"] for name, w in workers.items()}
-    except RuntimeError:
-        log.flush()
-        log.seek(0)
-        sys.stderr.write(log.read()[-5000:])
-        raise
-    t_setup = time.perf_counter() - t_start
-    samples = {}
-    t_loop = time.perf_counter()
-    rounds = 0
-    for r in range(args.rounds):
-        if r >= 2 and time.perf_counter() - t_loop > args.max_seconds:
-            print(f"(--max-seconds {args.max_seconds:.0f} reached after {r} rounds)")
-            break
-        rounds += 1
-        names = list(workers)
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            workers[name].stdin.write(f"run {r}\n")
-            for k, v in read_proto(workers[name])["result"].items():
-                samples.setdefault(k, []).append(v * 1e3)
-    for p in workers.values():
-        p.stdin.close()
-        p.wait()
-    t_end = time.perf_counter() - t_start
+    # ---- workers: compile, warm up and measure memory, then interleaved rounds ----
+    names = ["pytensor"] + (["torch"] if use_torch else [])
+    meta, flat = run_workers(
+        [dict(script=HERE, name=n, args=worker_args(args), threads=args.threads) for n in names],
+        args.rounds, args.max_seconds, log=log)
+    # keys "pytensor/float32/acc" -> "float32/acc", seconds -> ms
+    samples = {k.split("/", 1)[1]: [t * 1e3 for t in v] for k, v in flat.items()}
+    rounds = min(len(v) for v in samples.values())
     med = {k: statistics.median(v) for k, v in samples.items()}
     best = {k: min(v) for k, v in samples.items()}
     spread = {k: (max(v) - min(v)) / statistics.median(v) for k, v in samples.items()}
@@ -518,7 +401,7 @@ def parent_main(args):
              if use_torch else ""))
     print(f"library modes (linker of accumulate / apply): {pm['modes']['float32']}; "
           f"PyTensor worker setup s: {pm['phases']}")
-    print(f"model 784-512-10 ReLU MLP, batch {BATCH}, adam lr 1e-3, windows of "
+    print(f"model 784-512-10 ReLU MLP, batch {BATCH}, adam lr {LR:g}, windows of "
           f"{args.every} batches; {rounds} rounds x {args.calls} calls per kind; "
           "ms = median over rounds of the per-round median per call")
     print()
@@ -669,16 +552,16 @@ def parent_main(args):
     load1 = os.getloadavg()
     print(f"load average (1/5/15 min) at start {load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f}, "
           f"end {load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f}")
-    print(f"runtime: worker setup {t_setup:.0f} s, timing {t_end - t_setup:.0f} s, total "
-          f"{time.perf_counter() - t_start:.0f} s; worker log {log.name}")
+    print(f"runtime: total {time.perf_counter() - t_start:.0f} s (compilation included); "
+          f"worker log {log.name}")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="few rounds and calls (< 90 s)")
     ap.add_argument("--threads", type=int, default=0,
-                    help="pin OpenBLAS/OpenMP/MKL/Numba threads (env) and torch threads; "
-                    "default: leave the libraries' defaults")
+                    help="pin the workers' thread pools (OpenBLAS/OpenMP/MKL/Numba/XLA env,"
+                    " torch); default: the libraries' defaults (torch: OpenBLAS' count)")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--calls", type=int, default=None, help="calls per kind per round")
     ap.add_argument("--every", type=int, default=4, help="batches per window (apply step)")

@@ -10,8 +10,11 @@ and float64, built with the library itself:
 2. ``accumulate`` -- ``pytensor.function([x, y], loss, updates=acc.accumulate)``
                      with ``acc = lasagne_accum.accumulate_gradients(loss, params)``;
 3. ``adam apply`` -- ``pytensor.function([], [], updates=apply)`` with
-                     ``apply = acc.guard(lasagne_accum.adam(acc.grads, params, 1e-3))``
-                     plus ``acc.reset``.
+                     ``apply = lasagne_accum.adam(acc.grads, params, 1e-3)``
+                     (guarded) plus ``acc.reset``.
+
+Functions 2 and 3 are ``lasagne_accum.compile_accumulation``'s own, given the
+backend's mode (``common.trainer``): the graphs ``default_modes`` chooses for.
 
 Backend configurations (each in its own, persistent, worker process):
 
@@ -26,15 +29,19 @@ Backend configurations (each in its own, persistent, worker process):
 * ``jax``      -- ``mode="JAX"`` on the CPU (only if ``import jax`` works); the
   timings wait for JAX's asynchronous results (``block_until_ready``);
 * ``torch``    -- optional PyTorch float32 reference (only if ``import torch``
-                  works): ``torch.autograd.grad`` for fwd-bwd, ``loss.backward()``
-                  without ``zero_grad`` for accumulate, ``torch.optim.Adam.step()``
-                  for adam (grads are not divided by a count nor zeroed there).
-                  ``torch.set_num_threads`` is set to OpenBLAS' thread count.
+                  works), ``common.torch_loop``: ``torch.autograd.grad`` for
+                  fwd-bwd, ``loss.backward()`` without ``zero_grad`` for
+                  accumulate, ``torch.optim.Adam.step()`` for adam (grads are not
+                  divided by a count nor zeroed there). ``torch.set_num_threads``
+                  is set to ``--threads``, else to OpenBLAS' thread count.
 
-Timing: every worker compiles and warms up first; then, for each round, the
-parent asks every worker in turn (rotating the order each round) to time
-``--calls`` back-to-back calls of each function; the table reports the median
-over rounds of the per-round median time per call.  The float32 graphs are checked to
+Timing (``common.run_workers``): every worker compiles and warms up first, one
+after the other; then, for each round, the parent asks every worker in turn
+(rotating the order each round) to time ``--calls`` back-to-back calls of each
+function (``common.time_calls``, after ``--warmup`` calls); the table reports
+the median over rounds of the per-round median time per call. The adam calls
+after the first find an empty window: the guard's ``switch`` still computes
+the rule, so the cost is the rule's. The float32 graphs are checked to
 contain no float64 variable (floatX stays at its float64 default).
 
 Run (about 2 minutes on 2 cores once compiled; the first run also compiles the
@@ -53,10 +60,7 @@ and compare the median table with the best-round lines.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import subprocess
 import sys
 import time
 
@@ -64,7 +68,8 @@ HERE = os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from common import (  # noqa: E402  (no heavy imports)
-    PROTO, batch, have_module, load_average, openblas_threads, per_call, read_proto,
+    have_module, inplace_writes, load_average, median, openblas_threads, per_call,
+    run_workers, serve, time_calls, worker_io, worker_log,
 )
 
 DTYPES = ("float32", "float64")
@@ -79,45 +84,23 @@ CONFIGS = {
 }
 
 
-def time_calls(fn, n_calls, n_warm, args=()):
-    """Median wall time (ms) of ``n_calls`` back-to-back calls after ``n_warm``.
-
-    The per-call median (not the mean) keeps the occasional preemption on a
-    shared machine out of the number.
-    """
-    for _ in range(n_warm):
-        fn(*args)
-    if n_calls == 0:
-        return None
-    return statistics.median(per_call(fn, n_calls, args)) * 1e3
-
-
 # --------------------------------------------------------------------------
 # PyTensor worker
 # --------------------------------------------------------------------------
 def build_pytensor(dtype, mode):
-    """The library's own graphs on ``common.mlp``: fwd-bwd, accumulate, adam apply."""
+    """fwd-bwd, and the library's accumulate and adam apply functions, all in `mode`."""
     import pytensor
 
-    import lasagne_accum as la
-    from common import mlp
+    from common import batch, trainer
 
     xv, yv = batch(dtype)
-    (x, y), params, loss = mlp(dtype)
-    assert loss.dtype == dtype, loss.dtype
-    grads = pytensor.grad(loss, params)
-    acc = la.accumulate_gradients(loss, params)
-    apply = acc.guard(la.adam(acc.grads, params, 1e-3))
-    apply.update(acc.reset)
-    accs = acc.accumulators
-
     t0 = time.perf_counter()
-    fns = {
-        "fwd-bwd": pytensor.function([x, y], grads, mode=mode),
-        "accumulate": pytensor.function([x, y], loss, updates=acc.accumulate, mode=mode),
-        "adam": pytensor.function([], [], updates=apply, mode=mode),
-    }
+    (x, y), params, loss, tr = trainer(dtype, mode=mode)
+    assert loss.dtype == dtype, loss.dtype
+    fns = {"fwd-bwd": pytensor.function([x, y], pytensor.grad(loss, params), mode=mode),
+           "accumulate": tr.accumulate_fn, "adam": tr.apply_fn}
     compile_s = time.perf_counter() - t0
+    accs = tr.accumulation.accumulators
     calls = {
         "fwd-bwd": lambda: fns["fwd-bwd"](xv, yv),
         "accumulate": lambda: fns["accumulate"](xv, yv),
@@ -156,24 +139,14 @@ def inspect_fn(fn, dtype, accs=()):
             {str(n.op) for n, th in zip(vm.nodes, thunks) if not hasattr(th, "cthunk")}
         )
     if accs:
-        acc_in = {
-            fg.inputs[i]: i_in.variable.name
-            for i, i_in in enumerate(fn.maker.inputs)
-            if i_in.variable in set(accs)
-        }
-        gemm_on_acc = []
-        for n in nodes:
-            if "Gemm" in type(n.op).__name__ and n.inputs and n.inputs[0] in acc_in:
-                gemm_on_acc.append(f"{n.op} on {acc_in[n.inputs[0]]}")
-        info["gemm_on_acc"] = gemm_on_acc
+        info["gemm_on_acc"] = [f"{op} on {name}" for name, ops in inplace_writes(fn, accs).items()
+                               for op in ops if "Gemm" in op]
     return info
 
 
 def worker_pytensor(name, args):
     import numpy as np
     import pytensor
-
-    import lasagne_accum  # noqa: F401  (registers its fixes to PyTensor's backends)
 
     cfg = CONFIGS[name]
     meta = {
@@ -196,8 +169,6 @@ def worker_pytensor(name, args):
             for k, f in fns.items():
                 print(f"\n===== {name} {dtype} {k} =====", file=sys.stderr)
                 pytensor.dprint(f, file=sys.stderr)
-        for k in KINDS:  # JIT / first-call warm-up
-            time_calls(calls[k], 0, 3)
     return meta, built
 
 
@@ -208,80 +179,47 @@ def worker_torch(name, args):
     import numpy as np
     import torch
 
-    threads = openblas_threads()
-    # match PyTensor's (system) OpenBLAS thread count
-    n_threads = threads.get("system_openblas") or os.cpu_count()
-    torch.set_num_threads(n_threads)
+    from common import set_torch_threads, torch_loop
+
     meta = {
         "torch": torch.__version__,
         "numpy": np.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "threads": threads,
+        "torch_threads": set_torch_threads(args.threads),
+        "threads": openblas_threads(),
     }
-    from common import torch_mlp
-
-    dtype = "float32"
-    params, loss_of = torch_mlp(dtype)
-    xv, yv = batch(dtype)
-    x, y = torch.from_numpy(xv), torch.from_numpy(yv)
-    opt = torch.optim.Adam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
-
-    def loss_fn():
-        return loss_of(params, x, y)
-
-    def fwd_bwd():
-        return torch.autograd.grad(loss_fn(), params)
-
-    def accumulate():
-        loss = loss_fn()
-        loss.backward()  # accumulates into .grad (no zero_grad)
-        return loss.detach()
-
-    accumulate()  # make sure every .grad exists for the optimizer
-    calls = {"fwd-bwd": fwd_bwd, "accumulate": accumulate, "adam": opt.step}
-    for k in KINDS:
-        time_calls(calls[k], 0, 3)
-    return meta, {dtype: calls}
+    loop = torch_loop("float32")
+    # adam: opt.step alone, on the gradients the accumulate calls left in .grad
+    return meta, {"float32": {"fwd-bwd": loop.fwd_bwd, "accumulate": loop.accumulate,
+                              "adam": loop.opt.step}}
 
 
 def worker_main(args):
-    name = args.worker
-    # keep the protocol channel clean of library chatter (compiler output etc.)
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    build = worker_torch if name == "torch" else worker_pytensor
-    meta, built = build(name, args)
-    proto.write(PROTO + json.dumps({"ready": meta}) + "\n")
-    for line in sys.stdin:
-        if line.strip() != "run":
-            break
-        res = {}
-        for dtype, calls in built.items():
-            for k in KINDS:
-                res[f"{dtype}/{k}"] = time_calls(calls[k], args.calls, args.warmup)
-        proto.write(PROTO + json.dumps({"result": res}) + "\n")
+    proto = worker_io()
+    build = worker_torch if args.worker == "torch" else worker_pytensor
+    meta, built = build(args.worker, args)
+    for calls in built.values():  # JIT / first-call warm-up
+        for k in KINDS:
+            per_call(calls[k], 3)
+
+    def measure(r):
+        return {f"{dtype}/{k}": time_calls(calls[k], repeat=args.calls, warmup=args.warmup,
+                                           stat="median") * 1e3
+                for dtype, calls in built.items() for k in KINDS}
+
+    serve(proto, meta, measure)
 
 
 # --------------------------------------------------------------------------
 # parent
 # --------------------------------------------------------------------------
-def start_worker(name, args):
+def worker_env(name):
+    """os.environ plus the configuration's PyTensor flags."""
     env = dict(os.environ)
-    if args.threads:
-        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
-            env[var] = str(args.threads)
     flags = CONFIGS[name]["flags"]
     if flags:
         old = env.get("PYTENSOR_FLAGS", "")
         env["PYTENSOR_FLAGS"] = f"{old},{flags}" if old else flags
-    cmd = [sys.executable, HERE, "--worker", name, "--calls", str(args.calls),
-           "--warmup", str(args.warmup)]
-    if args.graphs:
-        cmd.append("--graphs")
-    stderr = None if args.graphs or args.verbose else subprocess.DEVNULL
-    return subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=stderr, text=True, bufsize=1)
+    return env
 
 
 def fmt(v, width=8, prec=3):
@@ -293,29 +231,21 @@ def parent_main(args):
     load0 = os.getloadavg()
     names = (["numba", "c-blas", "c-noblas"] + (["jax"] if have_module("jax") else [])
              + (["torch"] if have_module("torch") else []))
-    procs, meta = {}, {}
-    for n in names:  # compile one at a time so compilation does not skew timings
-        procs[n] = start_worker(n, args)
-        meta[n] = read_proto(procs[n])["ready"]
-    t_setup = time.perf_counter() - t_start
-
+    worker_args = ["--calls", str(args.calls), "--warmup", str(args.warmup)]
+    if args.graphs:
+        worker_args.append("--graphs")
+    log = None if args.graphs or args.verbose else worker_log("backends-bench")
+    # compile one at a time so that compilation does not skew the compile times
+    meta, flat = run_workers(
+        [dict(script=HERE, name=n, args=worker_args, threads=args.threads, env=worker_env(n))
+         for n in names],
+        args.rounds, args.max_seconds, log=log, one_at_a_time=True)
     samples = {n: {} for n in names}
-    t_loop, rounds_done = time.perf_counter(), 0
-    for r in range(args.rounds):
-        if r >= 2 and time.perf_counter() - t_loop > args.max_seconds:
-            print(f"time budget --max-seconds {args.max_seconds:.0f} s reached after {r} "
-                  "rounds (machine loaded?)")
-            break
-        rounds_done += 1
-        order = names[r % len(names):] + names[: r % len(names)]
-        for n in order:
-            procs[n].stdin.write("run\n")
-            for key, ms in read_proto(procs[n])["result"].items():
-                samples[n].setdefault(key, []).append(ms)
-    for p in procs.values():
-        p.stdin.close()
-        p.wait()
-    med = {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()}
+    for key, v in flat.items():
+        n, k = key.split("/", 1)
+        samples[n][k] = v
+    rounds_done = min(len(v) for v in flat.values())
+    med = {n: {k: median(v) for k, v in s.items()} for n, s in samples.items()}
     best = {n: {k: min(v) for k, v in s.items()} for n, s in samples.items()}
 
     # ---- header ----
@@ -381,11 +311,11 @@ def parent_main(args):
             f"{dt} " + " / ".join(f"{best[n][f'{dt}/{k}']:.3f}" for k in KINDS)
             for dt in DTYPES if f"{dt}/fwd-bwd" in best[n]))
     spread = max(
-        (max(v) - min(v)) / statistics.median(v)
+        (max(v) - min(v)) / median(v)
         for s in samples.values() for v in s.values()
     )
     print(f"load average at start {load0[0]:.2f}; at the end: {load_average()}")
-    print(f"setup {t_setup:.1f} s, total {time.perf_counter() - t_start:.1f} s; "
+    print(f"total {time.perf_counter() - t_start:.1f} s (compilation included); "
           f"max (max-min)/median over rounds {spread:.0%}")
 
 
@@ -399,8 +329,8 @@ def main():
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="stop starting new rounds (after 2) once the timed phase took this long")
     ap.add_argument("--threads", type=int, default=0,
-                    help="set OPENBLAS_NUM_THREADS/OMP_NUM_THREADS (and torch) in workers;"
-                    " default: leave the libraries' defaults")
+                    help="pin the workers' thread pools (OpenBLAS/OpenMP/MKL/Numba/XLA env,"
+                    " torch); default: the libraries' defaults (torch: OpenBLAS' count)")
     ap.add_argument("--verbose", action="store_true", help="show workers' stderr")
     ap.add_argument("--worker", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -6,14 +6,24 @@ Every script under ``benchmarks/`` (``distributed.py`` aside) builds on this:
   values once; :func:`mlp` (PyTensor), :func:`torch_mlp` and :func:`jax_mlp`
   build the same network, mean cross-entropy loss, from those same values,
   and :func:`batch` the same batch of 64.
+* **The timed code.** :func:`trainer` compiles the library's own two
+  functions on that model (``lasagne_accum.compile_accumulation`` with
+  ``lasagne_accum.adam``), in the library's default modes or a given one;
+  :func:`torch_loop` is PyTorch's own accumulation loop on the same values
+  (``loss.backward()`` into ``.grad``, ``torch.optim.Adam``);
+  :func:`inplace_writes` lists what a compiled function writes in place.
 * **Timing.** :func:`per_call` (per-call wall times), :func:`time_calls`
-  (mean of back-to-back calls), :func:`median`.
+  (mean or median of back-to-back calls, after a warm-up),
+  :func:`time_windows` (accumulate and apply calls of windows of N batches,
+  each call timed), :func:`median`.
 * **Workers.** Each library (and each thread setting) runs in its own
   process, started by :class:`Worker` with the thread count pinned (the
   thread variables of OpenBLAS, OpenMP, MKL, Numba, XLA and the CPU
   affinity); the parent asks the workers in turn, round after round
   (:func:`interleaved_rounds`, the order rotating), so that the load of other
-  processes hits them all alike. A worker answers with :func:`serve`.
+  processes hits them all alike. A worker answers with :func:`serve`;
+  :func:`run_workers` does the parent's whole part (start, wait until ready,
+  rounds, close; the workers' log tail on a failure).
 * **Context.** :func:`load_average` (this machine is shared: the line says so),
   :func:`openblas_threads`, :func:`available_modes`.
 
@@ -34,6 +44,7 @@ import time
 
 SIZES = (784, 512, 10)
 BATCH = 64
+LR = 1e-3  # Adam's learning rate in every script
 PROTO = "@@BENCH "  # prefix of the protocol lines on a worker's stdout
 THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
                "NUMBA_NUM_THREADS")
@@ -106,6 +117,97 @@ def jax_mlp(dtype="float32", sizes=SIZES, seed=0):
     return params, loss_fn
 
 
+def trainer(dtype="float32", every=1, mode=None, apply_mode=None, lr=LR):
+    """The library's own two functions on :func:`mlp`, Adam (learning rate `lr`).
+
+    ``lasagne_accum.compile_accumulation`` with ``lasagne_accum.adam``: the
+    accumulate function (inputs ``x, y``, returns the loss) and the apply
+    function (the rule on the accumulated mean gradients, guarded, plus the
+    reset), in the library's default modes unless `mode` / `apply_mode` are
+    given (`mode` alone: both).
+
+    Returns
+    -------
+    ((x, y), params, loss, trainer)
+    """
+    import lasagne_accum as la
+
+    (x, y), params, loss = mlp(dtype)
+    tr = la.compile_accumulation([x, y], loss, params, la.adam, dict(learning_rate=lr),
+                                 every=every, mode=mode, apply_mode=apply_mode)
+    return (x, y), params, loss, tr
+
+
+def torch_loop(dtype="float32", lr=LR):
+    """PyTorch's own accumulation loop on :func:`torch_mlp` and :func:`batch`.
+
+    Returns a namespace: ``params``, ``opt`` (``torch.optim.Adam``, PyTorch's
+    defaults but `lr`), ``fwd_bwd()`` (``torch.autograd.grad`` of the loss),
+    ``accumulate()`` (``loss.backward()``: adds into ``.grad``, no
+    ``zero_grad``; returns the loss) and ``apply()`` (``opt.step()`` then
+    ``opt.zero_grad()``). Every ``.grad`` exists on return.
+    """
+    import types
+
+    import torch
+
+    params, loss_fn = torch_mlp(dtype)
+    xv, yv = batch(dtype)
+    x, y = torch.from_numpy(xv), torch.from_numpy(yv)
+    opt = torch.optim.Adam(params, lr=lr)
+
+    def fwd_bwd():
+        return torch.autograd.grad(loss_fn(params, x, y), params)
+
+    def accumulate():
+        loss = loss_fn(params, x, y)
+        loss.backward()
+        return loss.detach()
+
+    def apply():
+        opt.step()
+        opt.zero_grad()  # PyTorch's default: set_to_none=True
+
+    accumulate()
+    return types.SimpleNamespace(params=params, opt=opt, fwd_bwd=fwd_bwd,
+                                 accumulate=accumulate, apply=apply)
+
+
+def set_torch_threads(threads=0):
+    """Set PyTorch's intra-op threads to `threads`, else to the system OpenBLAS's count.
+
+    The second matches PyTensor's C BLAS, so that the libraries compete with
+    equal thread counts. Returns the count PyTorch reports.
+    """
+    import torch
+
+    torch.set_num_threads(threads or openblas_threads().get("system_openblas")
+                          or os.cpu_count())
+    return torch.get_num_threads()
+
+
+def inplace_writes(fn, variables):
+    """``{name: [op, ...]}``: the nodes of compiled `fn` that write `variables` in place.
+
+    A node writes an input in place when its op's ``destroy_map`` names it
+    (``Gemm{inplace}`` accumulating into a buffer, an elementwise op
+    updating a parameter); `variables` are shared variables of `fn`.
+    """
+    fg = fn.maker.fgraph
+    ids = {id(v) for v in variables}
+    by_input = {fg.inputs[k]: i.variable.name for k, i in enumerate(fn.maker.inputs)
+                if id(i.variable) in ids}
+    out = {name: [] for name in by_input.values()}
+    for node in fg.toposort():
+        for destroyed in getattr(node.op, "destroy_map", {}).values():
+            for j in destroyed:
+                if node.inputs[j] in by_input:
+                    op = str(node.op)
+                    out[by_input[node.inputs[j]]].append(
+                        op.split("{")[0] + ("{inplace}" if "Gemm" in op else "(inplace)"))
+    return out
+
+
 # --------------------------------------------------------------------------
 # timing
 # --------------------------------------------------------------------------
@@ -120,12 +222,42 @@ def per_call(fn, n, args=()):
     return out
 
 
-def time_calls(fn, args=(), repeat=50):
-    """Seconds per call of ``fn(*args)``, the mean over `repeat` back-to-back calls."""
+def time_calls(fn, args=(), repeat=50, *, warmup=0, stat="mean"):
+    """Seconds per call of ``fn(*args)`` over `repeat` back-to-back calls.
+
+    After `warmup` untimed calls. ``stat="mean"``: one clock around the loop;
+    ``stat="median"``: the median of the calls' own times, which keeps an
+    occasional preemption on a shared machine out of the number.
+    """
+    for _ in range(warmup):
+        fn(*args)
+    if stat == "median":
+        return median(per_call(fn, repeat, args))
+    if stat != "mean":
+        raise ValueError(f"stat must be 'mean' or 'median', got {stat!r}")
     start = time.perf_counter()
     for _ in range(repeat):
         fn(*args)
     return (time.perf_counter() - start) / repeat
+
+
+def time_windows(accumulate, apply, every, windows, args=()):
+    """Times (s) of each ``accumulate(*args)`` and each ``apply()`` call.
+
+    `windows` windows of `every` accumulate calls and one apply call each;
+    returns ``(accumulate_times, apply_times)``.
+    """
+    clock = time.perf_counter
+    acc_t, apply_t = [], []
+    for _ in range(windows):
+        for _ in range(every):
+            t0 = clock()
+            accumulate(*args)
+            acc_t.append(clock() - t0)
+        t0 = clock()
+        apply()
+        apply_t.append(clock() - t0)
+    return acc_t, apply_t
 
 
 def median(values):
@@ -223,11 +355,15 @@ class Worker:
     threads : int
         Thread count pinned through :func:`thread_env` (0: library defaults).
     log : file
-        Where the worker's stderr goes.
+        Where the worker's stderr goes (None: the parent's).
+    env : dict
+        The environment to start from (default ``os.environ``).
+    label : str
+        The worker's name in results (default `name`).
     """
 
-    def __init__(self, script, name, args=(), threads=0, log=None, env=None):
-        self.name = name
+    def __init__(self, script, name, args=(), threads=0, log=None, env=None, label=None):
+        self.name = label or name
         cmd = [sys.executable, script, "--worker", name, "--threads", str(threads), *args]
         self.proc = subprocess.Popen(cmd, env=thread_env(threads, env), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1)
@@ -299,3 +435,52 @@ def interleaved_rounds(workers, rounds, max_seconds=None):
             for k, v in w.run(r).items():
                 samples.setdefault(f"{w.name}/{k}", []).append(v)
     return samples
+
+
+def worker_log(prefix):
+    """A temporary file for the workers' stderr (kept: its name is printed)."""
+    import tempfile
+
+    return tempfile.NamedTemporaryFile("w+", prefix=f"{prefix}-", suffix=".log", delete=False)
+
+
+def run_workers(workers, rounds, max_seconds=None, log=None, one_at_a_time=False):
+    """The parent's part: start workers, wait until ready, interleaved rounds, close.
+
+    Parameters
+    ----------
+    workers : list of dict
+        :class:`Worker` keyword arguments (``script``, ``name``, ``args``,
+        ``threads``, ``env``, ``label``), one per worker.
+    rounds, max_seconds
+        As in :func:`interleaved_rounds`.
+    log : file
+        The workers' stderr; its last lines are printed if one exits early.
+    one_at_a_time : bool
+        Start the next worker only when the previous one is ready, so that
+        compilation times (in the metadata) are not measured under each
+        other's load.
+
+    Returns
+    -------
+    (meta, samples)
+        ``{name: ready metadata}`` and :func:`interleaved_rounds`' samples.
+    """
+    started = []
+    try:
+        for kwargs in workers:
+            started.append(Worker(log=log, **kwargs))
+            if one_at_a_time:
+                started[-1].ready()
+        meta = {w.name: w.meta if w.meta is not None else w.ready() for w in started}
+        samples = interleaved_rounds(started, rounds, max_seconds)
+    except RuntimeError:
+        if log is not None and hasattr(log, "seek"):
+            log.flush()
+            log.seek(0)
+            sys.stderr.write(log.read()[-5000:])
+        raise
+    finally:
+        for w in started:
+            w.close()
+    return meta, samples

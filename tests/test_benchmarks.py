@@ -1,17 +1,26 @@
-"""Every benchmark script runs with ``--quick`` and prints its table.
+"""The benchmark harness (``benchmarks/common.py``) and every script's ``--quick`` run.
 
-Timings are never asserted (the machine is shared); the test checks that each
-script finishes, prints the load average, and that the numbers of its table
-are positive and finite. Slow (each script compiles its functions in fresh
-worker processes): deselect with ``-m "not slow"``.
+Timings are never asserted (the machine is shared). The fast tests check the
+harness: that no script imports another script but ``common``, that the one
+model gives the same loss in PyTensor, PyTorch and JAX as a numpy
+re-derivation, that the timing helpers call what they time as often as they
+say, and what the graph inspection reports. The slow test runs each script
+with ``--quick`` and checks that it finishes, prints the load average, and
+that the numbers of one row of its table are positive and finite (each script
+compiles its functions in fresh worker processes): deselect it with
+``-m "not slow"``.
 """
 
+import ast
+import importlib.util
 import math
 import os
 import re
 import subprocess
 import sys
 
+import numpy as np
+import pytensor
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,8 +38,105 @@ TABLE_ROW = {
 }
 
 
+@pytest.fixture(scope="module")
+def common():
+    spec = importlib.util.spec_from_file_location("bench_common",
+                                                  os.path.join(BENCH, "common.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_every_script_has_a_table_check():
     assert sorted(TABLE_ROW) == SCRIPTS
+
+
+def imported_modules(path):
+    """Top-level names of every module `path` imports (``import a.b``, ``from a import``)."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_scripts_share_only_common(script):
+    """A script imports the harness, never another script."""
+    stems = {s[:-3] for s in SCRIPTS}
+    assert imported_modules(os.path.join(BENCH, script)) & stems == set()
+
+
+def numpy_loss(params, x, y):
+    """Mean cross-entropy of the ReLU MLP, float64, written out independently."""
+    W1, b1, W2, b2 = (np.asarray(p, dtype="float64") for p in params)
+    logits = np.maximum(x.astype("float64") @ W1 + b1, 0) @ W2 + b2
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    return -log_probs[np.arange(len(y)), y].mean()
+
+
+def test_one_model_for_every_library(common):
+    """PyTensor's, torch's and JAX's MLP are the same network from the same values."""
+    x, y = common.batch("float32")
+    expected = numpy_loss(common.init_params("float32"), x, y)
+    assert 2.0 < expected < 2.6  # 10 classes, small weights: near log(10)
+    (xs, ys), params, loss = common.mlp("float32")
+    assert [p.name for p in params] == ["W1", "b1", "W2", "b2"]
+    for p, v in zip(params, common.init_params("float32")):
+        np.testing.assert_array_equal(p.get_value(), v)
+    got = pytensor.function([xs, ys], loss)(x, y)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        tparams, loss_fn = common.torch_mlp("float32")
+        tloss = loss_fn(tparams, torch.from_numpy(x), torch.from_numpy(y))
+        np.testing.assert_allclose(tloss.item(), expected, rtol=1e-5)
+    if importlib.util.find_spec("jax") is not None:
+        jparams, jloss_fn = common.jax_mlp("float32")
+        np.testing.assert_allclose(float(jloss_fn(jparams, x, y)), expected, rtol=1e-5)
+
+
+def test_time_calls_counts_calls_and_checks_stat(common):
+    calls = []
+    for stat in ("mean", "median"):
+        calls.clear()
+        seconds = common.time_calls(lambda: calls.append(1), repeat=7, warmup=3, stat=stat)
+        assert len(calls) == 10
+        assert 0 <= seconds < 0.1
+    with pytest.raises(ValueError, match="stat must be 'mean' or 'median'"):
+        common.time_calls(lambda: None, stat="min")
+
+
+def test_time_windows_times_every_call(common):
+    log = []
+    acc_t, apply_t = common.time_windows(lambda b: log.append(b), lambda: log.append("apply"),
+                                         every=3, windows=2, args=("b",))
+    assert log == ["b", "b", "b", "apply"] * 2
+    assert (len(acc_t), len(apply_t)) == (6, 2)
+    assert all(t >= 0 for t in acc_t + apply_t)
+
+
+def test_inplace_writes_names_the_ops(common):
+    """A Gemm accumulating into one variable, an elementwise op on another, none on a third."""
+    import pytensor.tensor as pt
+    from pytensor.compile.mode import Mode
+
+    w = pytensor.shared(np.zeros((3, 2)), name="w")
+    v = pytensor.shared(np.zeros(2), name="v")
+    u = pytensor.shared(np.ones(2), name="u")
+    x, y = pt.matrix("x"), pt.matrix("y")
+    # the C backend's rewrites (in-place Gemm and elementwise ops), nothing compiled
+    mode = Mode(linker="py", optimizer="fast_run").excluding("fusion")
+    fn = pytensor.function([x, y], u.sum(), updates={w: w + x @ y, v: v * 0.5}, mode=mode)
+    assert common.inplace_writes(fn, [w, v, u]) == {
+        "w": ["Gemm{inplace}"], "v": ["Mul(inplace)"], "u": []}
 
 
 @pytest.mark.slow
