@@ -38,8 +38,8 @@ Each rewrite can be left out by name, to compare:
 import hashlib
 import pathlib
 
-__all__ = ["register_numba_gemm_rewrite", "register_numba_gemm", "register_lazy_step_rewrite",
-           "register_numba_lazy_step", "LazyStep"]
+__all__ = ["register_numba_gemm_rewrite", "register_gemm_reset_rewrite", "register_numba_gemm",
+           "register_lazy_step_rewrite", "register_numba_lazy_step", "LazyStep"]
 
 _registered: set[str] = set()
 # Numba's on-disk cache is keyed by what a dispatcher says; the source's hash
@@ -81,6 +81,73 @@ def register_numba_gemm_rewrite():
     # where the C backend's BlasOpt runs: after stabilisation, before specialisation
     optdb.register("lasagne_accum_numba_gemm", seq, "numba", position=1.71)
     _registered.add("gemm-rewrite")
+
+
+# --------------------------------------------------------------------------
+# rewrite: Gemm(select(fresh, 0, acc), ...) -> Gemm(acc, ..., beta=select(fresh, 0, beta))
+# --------------------------------------------------------------------------
+def _gemm_reset_rewrite():
+    import numpy as np
+    import pytensor.tensor as pt
+    from pytensor.graph.rewriting.basic import node_rewriter
+    from pytensor.scalar.basic import Switch
+    from pytensor.tensor.blas import Gemm
+    from pytensor.tensor.elemwise import Elemwise
+    from pytensor.tensor.exceptions import NotScalarConstantError
+
+    def is_zero(v):
+        try:
+            return bool(pt.get_underlying_scalar_constant_value(v) == 0)
+        except NotScalarConstantError:
+            return False
+
+    @node_rewriter([Gemm])
+    def local_gemm_select_reset(fgraph, node):
+        """``gemm(switch(c, 0, z), a, x, y, b)`` -> ``gemm(z, a, x, y, switch(c, 0, b))``."""
+        z, alpha, x, y, beta = node.inputs
+        sel = z.owner
+        if sel is None or not (isinstance(sel.op, Elemwise)
+                               and isinstance(sel.op.scalar_op, Switch)):
+            return None
+        cond, if_true, if_false = sel.inputs
+        if not all(cond.type.broadcastable):  # one condition for the whole matrix
+            return None
+        flag = cond.dimshuffle([]) if cond.type.ndim else cond
+        zero = np.zeros((), beta.type.dtype)
+        if is_zero(if_true) and if_false.type == z.type:
+            kept, new_beta = if_false, pt.switch(flag, zero, beta)
+        elif is_zero(if_false) and if_true.type == z.type:
+            kept, new_beta = if_true, pt.switch(flag, beta, zero)
+        else:
+            return None
+        return [node.op(kept, alpha, x, y, new_beta)]
+
+    return local_gemm_select_reset
+
+
+def register_gemm_reset_rewrite():
+    """Fold a select-to-zero of Gemm's accumulator into its ``beta`` (idempotent).
+
+    The single-function form resets its buffers lazily with
+    ``select(fresh, 0, acc) + dot(x, y)`` (a select, so that a NaN left in
+    the buffer is dropped, where ``0 * acc`` would keep it). Once that sum is
+    a ``Gemm``, the select is a parameter-sized pass and array per call; this
+    rewrite makes it ``gemm(acc, alpha, x, y, select(fresh, 0, beta))``, which
+    runs in place on the buffer. Exact, NaN included: with ``beta = 0`` BLAS
+    gemm does not read its output's old values (the reference BLAS contract,
+    "when BETA is supplied as zero then C need not be set on input", which
+    OpenBLAS and scipy's BLAS keep: ``tests/test_fast_ops.py`` checks it), and
+    so do ``Gemm``'s Python and Numba code paths. Registered for the C and
+    Numba backends (``fast_run``, ``numba``), after the Gemm rewrites.
+    """
+    if "gemm-reset" in _registered:
+        return
+    from pytensor.compile.mode import optdb
+    from pytensor.graph.rewriting.basic import dfs_rewriter
+
+    optdb.register("lasagne_accum_gemm_reset", dfs_rewriter(_gemm_reset_rewrite()),
+                   "fast_run", "numba", position=1.72)
+    _registered.add("gemm-reset")
 
 
 # --------------------------------------------------------------------------
@@ -227,6 +294,13 @@ def register_numba_gemm():
     def _dot(x, y):
         return np.dot(np.ascontiguousarray(x), np.ascontiguousarray(y))
 
+    @numba_basic.numba_njit
+    def _gemm_aside(z, a, x, y, b):
+        """``b * z + a * x @ y`` in a new array; z is not read when b == 0 (as BLAS)."""
+        if b == 0:
+            return np.asarray(a * _dot(x, y) + np.zeros_like(z))
+        return np.asarray(b * z + a * _dot(x, y))
+
     @register_funcify_and_cache_key(Gemm)
     def numba_funcify_Gemm(op, node, **kwargs):
         dtype = node.outputs[0].type.dtype
@@ -234,7 +308,7 @@ def register_numba_gemm():
         if dtype not in ("float32", "float64"):
             @numba_basic.numba_njit
             def gemm_generic(z, a, x, y, b):
-                return np.asarray(b.item() * z + a.item() * _dot(x, y)).astype(z.dtype)
+                return _gemm_aside(z, a.item(), x, y, b.item()).astype(z.dtype)
 
             return gemm_generic, f"lasagne_accum-gemm-generic-{dtype}-{_SOURCE_KEY}"
         run = gemm_into(dtype)
@@ -244,7 +318,7 @@ def register_numba_gemm():
             def gemm(z, a, x, y, b):
                 if x.shape[1] != y.shape[0] or z.shape[0] != x.shape[0] or \
                         z.shape[1] != y.shape[1]:
-                    return np.asarray(b.item() * z + a.item() * _dot(x, y))
+                    return _gemm_aside(z, a.item(), x, y, b.item())
                 run(z, a.item(), x, y, b.item())
                 return z
         else:
@@ -252,7 +326,7 @@ def register_numba_gemm():
             def gemm(z, a, x, y, b):
                 if x.shape[1] != y.shape[0] or z.shape[0] != x.shape[0] or \
                         z.shape[1] != y.shape[1]:
-                    return np.asarray(b.item() * z + a.item() * _dot(x, y))
+                    return _gemm_aside(z, a.item(), x, y, b.item())
                 out = z.copy()
                 run(out, a.item(), x, y, b.item())
                 return out
