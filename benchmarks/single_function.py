@@ -11,8 +11,10 @@ For each installed backend, on the 784-512-10 MLP (batch 64, Adam, N=4):
 Three graph choices are compared: ``lazy`` (the default: the rule behind
 ``ifelse``, which the library turns into its ``LazyStep`` op in C and Numba:
 the rule runs in place on stepping calls only), ``ifelse`` (the same graph
-compiled without that rewrite: PyTensor's own ``IfElse``) and ``switch`` (the
-rule computed every call and selected).
+compiled without that rewrite: PyTensor's own ``IfElse``), ``switch`` (the
+rule computed every call and selected) and ``select``: ``lazy`` without the
+rewrite that folds the buffer's lazy reset, ``select(fresh, 0, acc) + dot``,
+into the ``Gemm``'s beta (the select then costs a buffer-sized pass per call).
 Each window of N calls of each variant is timed call by call; the variants
 alternate within every round; the table shows medians.
 
@@ -31,7 +33,7 @@ from common import available_modes, batch, load_average, median, mlp
 
 from lasagne_accum import accumulate_gradients, adam, with_accumulated_gradients
 
-VARIANTS = ("lazy", "ifelse", "switch")
+VARIANTS = ("lazy", "select", "ifelse", "switch")
 
 
 def build(mode, dtype, every):
@@ -44,8 +46,9 @@ def build(mode, dtype, every):
     out["apply"] = pytensor.function([], [], updates=apply, mode=mode)
     # "ifelse": the lazy form as PyTensor compiles it without the library's LazyStep rewrite
     plain = get_mode(mode).excluding("lasagne_accum_lazy_step_c", "lasagne_accum_lazy_step_numba")
-    for variant, lazy, m in (("lazy", True, mode), ("ifelse", True, plain),
-                             ("switch", False, mode)):
+    select = get_mode(mode).excluding("lasagne_accum_gemm_reset")
+    for variant, lazy, m in (("lazy", True, mode), ("select", True, select),
+                             ("ifelse", True, plain), ("switch", False, mode)):
         (x, y), params, loss = mlp(dtype)
         upd = with_accumulated_gradients(loss, params, every, adam, lazy=lazy, learning_rate=1e-3)
         out[variant] = pytensor.function([x, y], loss, updates=upd, mode=m)

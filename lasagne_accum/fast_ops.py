@@ -12,6 +12,13 @@
   the ``sgemm``/``dgemm`` of scipy's BLAS (the library Numba's own ``np.dot``
   calls), writing into the buffer.
 
+* **The lazy reset, in place.** The single-function form starts a window
+  with ``select(fresh, 0, acc) + dot(x, y)`` (a select: ``0 * acc`` would
+  keep a NaN). :func:`register_gemm_reset_rewrite` folds the select into the
+  ``Gemm``'s ``beta`` (``select(fresh, 0, beta)``; BLAS does not read the
+  buffer when ``beta = 0``), so the buffer is updated in place, with no
+  buffer-sized select per call, in C and Numba.
+
 * **A lazy step that costs nothing.** The single-function form
   (``average=N``) selects the rule's new values with
   ``ifelse(keep, states, new_values)``. PyTensor's ``IfElse`` copies the
@@ -31,7 +38,8 @@ All are registered by :func:`lasagne_accum.backends.install` when the library
 is imported (the Numba implementations once PyTensor loads its Numba dispatch).
 Each rewrite can be left out by name, to compare:
 ``get_mode("NUMBA").excluding("lasagne_accum_numba_gemm",
-"lasagne_accum_lazy_step_numba")``, ``get_mode("CVM").excluding(
+"lasagne_accum_gemm_reset", "lasagne_accum_lazy_step_numba")``,
+``get_mode("CVM").excluding("lasagne_accum_gemm_reset",
 "lasagne_accum_lazy_step_c")``.
 """
 
@@ -58,6 +66,23 @@ def register_numba_gemm_rewrite():
     ``Dot22`` left over become ``Dot`` again (their Numba code). Registered
     under the tag ``numba`` only: the C, JAX and PyTorch backends' graphs do
     not change.
+
+    Examples
+    --------
+    Importing :mod:`lasagne_accum` registers it; an accumulation then runs as
+    one in-place ``Gemm`` under Numba:
+
+    >>> import numpy as np, pytensor, pytensor.tensor as pt
+    >>> from pytensor.compile.mode import NUMBA
+    >>> import lasagne_accum
+    >>> acc = pytensor.shared(np.zeros((2, 2)), name="acc")
+    >>> x = pt.matrix("x")
+    >>> f = pytensor.function([x], [], updates={acc: acc + x.T @ x}, mode=NUMBA)
+    >>> [str(n.op) for n in f.maker.fgraph.toposort() if "Gemm" in str(n.op)]
+    ['Gemm{inplace}']
+    >>> _ = f(np.ones((3, 2))); _ = f(np.ones((3, 2))); acc.get_value()
+    array([[6., 6.],
+           [6., 6.]])
     """
     if "gemm-rewrite" in _registered:
         return
@@ -139,6 +164,24 @@ def register_gemm_reset_rewrite():
     OpenBLAS and scipy's BLAS keep: ``tests/test_fast_ops.py`` checks it), and
     so do ``Gemm``'s Python and Numba code paths. Registered for the C and
     Numba backends (``fast_run``, ``numba``), after the Gemm rewrites.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor, pytensor.tensor as pt
+    >>> from pytensor.compile.mode import CVM
+    >>> import lasagne_accum  # registers the rewrite
+    >>> acc = pytensor.shared(np.full((2, 2), np.nan), name="acc")
+    >>> x, fresh = pt.matrix("x"), pt.scalar("fresh", dtype="bool")
+    >>> new = pt.switch(fresh, 0.0, acc) + x.T @ x
+    >>> f = pytensor.function([x, fresh], [], updates={acc: new}, mode=CVM)
+    >>> [str(n.op) for n in f.maker.fgraph.toposort() if "Gemm" in str(n.op)]
+    ['Gemm{inplace}']
+    >>> _ = f(np.ones((3, 2)), True); acc.get_value()    # a reset: the NaN is dropped
+    array([[3., 3.],
+           [3., 3.]])
+    >>> _ = f(np.ones((3, 2)), False); acc.get_value()   # then it accumulates
+    array([[6., 6.],
+           [6., 6.]])
     """
     if "gemm-reset" in _registered:
         return
@@ -280,7 +323,26 @@ def _numba_gemm_kernels():
 
 
 def register_numba_gemm():
-    """Give PyTensor's ``Gemm`` a Numba implementation through BLAS (idempotent; imports numba)."""
+    """Give PyTensor's ``Gemm`` a Numba implementation through BLAS (idempotent; imports numba).
+
+    ``gemm(z, a, x, y, b) = b * z + a * x @ y`` (``z`` not read when
+    ``b == 0``, as BLAS); the in-place ``Gemm`` writes into ``z``'s buffer.
+    Inputs of any layout: a non-contiguous ``z`` is computed aside and copied
+    in.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor, pytensor.tensor as pt
+    >>> from pytensor.compile.mode import NUMBA
+    >>> from pytensor.tensor.blas import gemm_no_inplace
+    >>> import lasagne_accum  # registers it once PyTensor loads its Numba backend
+    >>> z, x, y = pt.matrix("z"), pt.matrix("x"), pt.matrix("y")
+    >>> a, b = pt.scalar("a"), pt.scalar("b")
+    >>> f = pytensor.function([z, a, x, y, b], gemm_no_inplace(z, a, x, y, b), mode=NUMBA)
+    >>> f(np.ones((2, 2)), 2.0, np.eye(2), np.full((2, 2), 3.0), 0.5)
+    array([[6.5, 6.5],
+           [6.5, 6.5]])
+    """
     if "numba-gemm" in _registered:
         return
     import numpy as np
@@ -357,6 +419,31 @@ def _make_lazy_step_class():
         Built by the ``lasagne_accum_lazy_step`` rewrites from PyTensor's
         ``ifelse(keep, states, new_values)``, where the states are updated
         shared variables; JAX and PyTorch keep the ``IfElse``.
+
+        Parameters
+        ----------
+        fgraph : FunctionGraph
+            The inner graph: inputs are the states, then the other values it
+            reads; outputs are the states' new values, in the states' order.
+        n_states : int
+            How many of the inputs are states.
+
+        Examples
+        --------
+        >>> import numpy as np, pytensor, pytensor.tensor as pt
+        >>> from pytensor.compile.mode import CVM
+        >>> from pytensor.graph.fg import FunctionGraph
+        >>> from lasagne_accum.fast_ops import LazyStep
+        >>> s_in, g_in = pt.vector("s"), pt.vector("g")
+        >>> op = LazyStep(FunctionGraph([s_in, g_in], [s_in - g_in], clone=False), 1)
+        >>> state = pytensor.shared(np.ones(2), name="state")
+        >>> cond, g = pt.scalar("cond", dtype="bool"), pt.vector("g")
+        >>> f = pytensor.function([cond, g], [], updates={state: op(cond, state, g)},
+        ...                       mode=CVM, accept_inplace=True)
+        >>> _ = f(False, np.full(2, 0.25)); state.get_value()   # nothing runs
+        array([1., 1.])
+        >>> _ = f(True, np.full(2, 0.25)); state.get_value()
+        array([0.75, 0.75])
         """
 
         __props__ = ()
@@ -505,6 +592,22 @@ def register_lazy_step_rewrite():
     Registered twice: under ``cxx_only`` (C modes) and ``numba``; JAX and
     PyTorch leave both tags out and keep the ``IfElse`` (JAX's already
     costs nothing there: XLA selects without copying).
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor, pytensor.tensor as pt
+    >>> from pytensor.compile.mode import CVM
+    >>> import lasagne_accum  # registers the rewrite
+    >>> w = pytensor.shared(np.zeros(2), name="w")
+    >>> g = pt.vector("g")
+    >>> upd = lasagne_accum.sgd([g], [w], learning_rate=1.0, average=2)
+    >>> f = pytensor.function([g], [], updates=upd, mode=CVM)
+    >>> sorted({type(n.op).__name__ for n in f.maker.fgraph.toposort()} & {"IfElse", "LazyStep"})
+    ['LazyStep']
+    >>> _ = f(np.ones(2)); w.get_value()          # no step on the first call
+    array([0., 0.])
+    >>> _ = f(np.full(2, 3.0)); w.get_value()     # the mean gradient, 2
+    array([-2., -2.])
     """
     if "lazy-rewrite" in _registered:
         return
@@ -521,7 +624,26 @@ def register_lazy_step_rewrite():
 
 
 def register_numba_lazy_step():
-    """Numba implementation of :class:`LazyStep` (idempotent; imports numba)."""
+    """Numba implementation of :class:`LazyStep` (idempotent; imports numba).
+
+    The inner graph is compiled by the Numba backend and called behind an
+    ``if`` in the outer function's code; its results are stored into the
+    states' buffers unless the inner graph wrote them there already.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor, pytensor.tensor as pt
+    >>> from pytensor.compile.mode import NUMBA
+    >>> import lasagne_accum  # registers it once PyTensor loads its Numba backend
+    >>> w = pytensor.shared(np.zeros(2), name="w")
+    >>> g = pt.vector("g")
+    >>> upd = lasagne_accum.sgd([g], [w], learning_rate=1.0, average=2)
+    >>> f = pytensor.function([g], [], updates=upd, mode=NUMBA)
+    >>> "LazyStep" in {type(n.op).__name__ for n in f.maker.fgraph.toposort()}
+    True
+    >>> _ = f(np.ones(2)); _ = f(np.full(2, 3.0)); w.get_value()
+    array([-2., -2.])
+    """
     if "numba-lazy" in _registered:
         return
     register_lazy_step_rewrite()

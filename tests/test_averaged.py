@@ -434,6 +434,7 @@ def test_weight_zero_or_negative_is_refused_like_the_two_function_form(form):
         accumulate_gradients(m.loss, m.params, weight=0)
 
 
+@pytest.mark.real_backend  # the C and Numba code paths (Gemm with beta = 0), compiled
 @pytest.mark.parametrize("mode", [None, "CVM"])
 def test_buffer_does_not_carry_nan_into_the_next_window(mode):
     """Was: the lazy reset 0 * NaN kept a NaN batch in the buffer for good.
