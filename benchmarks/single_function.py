@@ -16,13 +16,17 @@ rule computed every call and selected) and ``select``: ``lazy`` without the
 rewrite that folds the buffer's lazy reset, ``select(fresh, 0, acc) + dot``,
 into the ``Gemm``'s beta (the select then costs a buffer-sized pass per call).
 Each window of N calls of each variant is timed call by call; the variants
-alternate within every round; the table shows medians.
+alternate within every round; the table shows medians. Each backend runs in
+its own process (one after the other).
 
     python benchmarks/single_function.py [--dtype float32] [--rounds 60] [--modes CVM NUMBA]
     python benchmarks/single_function.py --quick     # smoke test: C and Numba, 6 rounds
 """
 
 import argparse
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -96,6 +100,19 @@ def main():
     args = p.parse_args()
     args.rounds = args.rounds or (6 if args.quick else 60)
     modes = args.modes or (["CVM", "NUMBA"] if args.quick else available_modes())
+    if len(modes) > 1:
+        # one process per backend: in a shared one, the C backend's OpenBLAS threads
+        # still spin while the next Numba call runs (scipy's OpenBLAS), and the
+        # other backend's buffers evict this one's from the cache between calls
+        for mode in modes:
+            cmd = [sys.executable, os.path.abspath(__file__), "--dtype", args.dtype,
+                   "--every", str(args.every), "--rounds", str(args.rounds), "--modes", mode]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            lines = out.stdout.splitlines()
+            if out.returncode:
+                raise SystemExit(f"{mode}: exit {out.returncode}\n{out.stderr[-3000:]}")
+            print("\n".join(lines))
+        return
     print(load_average())
     data = batch(args.dtype)
     print(f"pytensor {pytensor.__version__}, blas: {pytensor.config.blas__ldflags or 'none'}; "
