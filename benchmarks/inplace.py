@@ -36,7 +36,6 @@ import sys
 import time
 import tracemalloc
 
-import numpy as np
 import pytensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -29,7 +29,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytensor
 from pytensor.compile.mode import get_mode
 

@@ -649,7 +649,6 @@ def register_numba_lazy_step():
     register_lazy_step_rewrite()
     from hashlib import sha256
 
-    import numpy as np
     from pytensor.compile.aliasing import add_supervisor_to_fgraph, insert_deepcopy
     from pytensor.compile.io import In, Out
     from pytensor.compile.mode import NUMBA
