@@ -15,9 +15,15 @@ accumulated batches followed by one Adam step (lr 1e-3):
   ``jax.jit``-compiled step (buffers donated), called 4 times, each call
   waited for (``block_until_ready``).
 
-Each library runs in its own process, once with 1 thread and once with 2
-(thread variables and CPU affinity pinned); the processes are timed in
-interleaved rounds; a number is the median over rounds of the per-round median.
+Each library (``ours`` and ``ours-numba`` too) runs in its own process, once
+with 1 thread and once with 2 (thread variables and CPU affinity pinned); the
+processes are timed in interleaved rounds; a number is the median over rounds
+of the per-round median. Every call is timed alone too (no Python outside the
+calls is counted on any side), and the table's second part shows a window's
+accumulating calls and its last call apart. ``ours`` and ``ours-numba`` used to
+share one process: there the C backend's OpenBLAS threads, still spinning
+after a call, slowed the next Numba call (scipy's own OpenBLAS) up to 15x with
+2 threads.
 
 Item 4 (in the ``ours`` worker): the apply step's bytes moved per call (every
 shared array it reads plus every one it writes, i.e. the least traffic the
@@ -51,7 +57,39 @@ LR = 1e-3
 # --------------------------------------------------------------------------
 # workers
 # --------------------------------------------------------------------------
+def _timed_window(calls, last):
+    """A window function: ``calls()`` x (every - 1) and ``last()``, each call timed.
+
+    Returns ``window(times)`` appending (seconds of each of the first calls,
+    seconds of the last) to `times`.
+    """
+    clock = time.perf_counter
+
+    def window(every, times):
+        first = []
+        for _ in range(every - 1):
+            t0 = clock()
+            calls()
+            first.append(clock() - t0)
+        t0 = clock()
+        last()
+        times.append((first, clock() - t0))
+
+    return window
+
+
+def _window_result(times):
+    """Median window, median accumulating call and median stepping call (s)."""
+    return {"window": median(sum(f) + s for f, s in times),
+            "call": median(t for f, _ in times for t in f),
+            "step": median(s for _, s in times)}
+
+
 def worker_ours(args, proto):
+    """``ours``: compile_accumulation's default modes; ``ours-numba``: the README's
+    recipe with plain ``pytensor.function`` (Numba). One variant per process, so
+    that one variant's BLAS threads (C: the system OpenBLAS; Numba: scipy's) never
+    spin beside the other's."""
     import numpy as np
     import pytensor
 
@@ -60,51 +98,48 @@ def worker_ours(args, proto):
     every = args.every
     xv, yv = batch("float32")
     (x, y), params, loss = mlp("float32")
-    trainer = la.compile_accumulation([x, y], loss, params, la.adam,
-                                      dict(learning_rate=LR), every=every)
-    # the README's recipe with plain pytensor.function (PyTensor's default mode)
-    (x2, y2), params2, loss2 = mlp("float32")
-    acc = la.accumulate_gradients(loss2, params2)
-    apply = acc.guard(la.adam(acc.grads, params2, LR))
-    apply.update(acc.reset)
-    plain_acc = pytensor.function([x2, y2], loss2, updates=acc.accumulate)
-    plain_apply = pytensor.function([], [], updates=apply)
-    variants = {"ours": (trainer.accumulate_fn, trainer.apply_fn),
-                "ours-numba": (plain_acc, plain_apply)}
+    if args.worker == "ours":
+        trainer = la.compile_accumulation([x, y], loss, params, la.adam,
+                                          dict(learning_rate=LR), every=every)
+        acc_fn, apply_fn = trainer.accumulate_fn, trainer.apply_fn
+    else:  # the README's recipe with plain pytensor.function (PyTensor's default mode)
+        acc = la.accumulate_gradients(loss, params)
+        apply = acc.guard(la.adam(acc.grads, params, LR))
+        apply.update(acc.reset)
+        acc_fn = pytensor.function([x, y], loss, updates=acc.accumulate)
+        apply_fn = pytensor.function([], [], updates=apply)
+
+    def last():
+        acc_fn(xv, yv)
+        apply_fn()
+
+    window = _timed_window(lambda: acc_fn(xv, yv), last)
 
     # item 4: bytes the apply step must move, and a copy of the parameters' size
-    fn = trainer.apply_fn
-    shared = {id(i.variable): i.variable for i in fn.maker.inputs if i.implicit}
+    shared = {id(i.variable): i.variable for i in apply_fn.maker.inputs if i.implicit}
     read = sum(np.asarray(v.get_value(borrow=True)).nbytes for v in shared.values())
     written = sum(np.asarray(i.variable.get_value(borrow=True)).nbytes
-                  for i in fn.maker.inputs if i.update is not None)
+                  for i in apply_fn.maker.inputs if i.update is not None)
     n_param = sum(p.get_value(borrow=True).size for p in params)
     src = np.random.rand(n_param).astype("float32")
     dst = np.empty_like(src)
 
-    def window(acc_fn, apply_fn):
-        for _ in range(every):
-            acc_fn(xv, yv)
-        apply_fn()
-
     for _ in range(3):  # warm-up (JIT, first-call allocations)
-        for a, p in variants.values():
-            window(a, p)
-    meta = {"cpus": args.cpus, "modes": [str(f.maker.mode.linker) for f in variants["ours"]],
+        window(every, [])
+    meta = {"cpus": args.cpus, "modes": [str(f.maker.mode.linker) for f in (acc_fn, apply_fn)],
             "apply_bytes": read + written, "copy_bytes": 2 * src.nbytes,
             "param_bytes": src.nbytes}
 
     def measure(r):
-        out = {}
-        names = list(variants)
-        for name in names[r % 2:] + names[:r % 2]:
-            acc_fn, apply_fn = variants[name]
-            out[f"{name}.window"] = median(per_call(window, args.windows, (acc_fn, apply_fn)))
+        times = []
+        for _ in range(args.windows):
+            window(every, times)
+        out = _window_result(times)
         apply_t, copy_t = [], []
         for _ in range(args.windows):  # item 4: apply after a real window, copies between
             for _ in range(every):
-                trainer.accumulate_fn(xv, yv)
-            apply_t += per_call(trainer.apply_fn, 1)
+                acc_fn(xv, yv)
+            apply_t += per_call(apply_fn, 1)
             copy_t += per_call(np.copyto, 3, (dst, src))
         out["apply"], out["copy"] = median(apply_t), median(copy_t)
         return out
@@ -124,16 +159,26 @@ def worker_torch(args, proto):
     opt = torch.optim.Adam(params, lr=LR)
     every = args.every
 
-    def window():
-        for _ in range(every):
-            (loss_fn(params, x, y) / every).backward()  # sums into .grad: the mean
+    def accumulate():
+        (loss_fn(params, x, y) / every).backward()  # sums into .grad: the mean
+
+    def last():
+        accumulate()
         opt.step()
         opt.zero_grad()
 
+    window = _timed_window(accumulate, last)
+
+    def measure(r):
+        times = []
+        for _ in range(args.windows):
+            window(every, times)
+        return _window_result(times)
+
     for _ in range(5):
-        window()
+        window(every, [])
     meta = {"cpus": args.cpus, "torch": torch.__version__, "threads": torch.get_num_threads()}
-    serve(proto, meta, lambda r: {"window": median(per_call(window, args.windows))})
+    serve(proto, meta, measure)
 
 
 def worker_optax(args, proto):
@@ -156,19 +201,27 @@ def worker_optax(args, proto):
 
     step = jax.jit(step, donate_argnums=(0, 1))
 
-    def window():
-        for _ in range(args.every):
-            p, s, loss = step(state[0], state[1], x, y)
-            jax.block_until_ready((p, s, loss))
-            state[0], state[1] = p, s
+    def call():
+        p, s, loss = step(state[0], state[1], x, y)
+        jax.block_until_ready((p, s, loss))
+        state[0], state[1] = p, s
+
+    window = _timed_window(call, call)  # MultiSteps steps on the every-th call itself
+
+    def measure(r):
+        times = []
+        for _ in range(args.windows):
+            window(args.every, times)
+        return _window_result(times)
 
     for _ in range(5):
-        window()
+        window(args.every, [])
     meta = {"cpus": args.cpus, "jax": jax.__version__, "optax": optax.__version__}
-    serve(proto, meta, lambda r: {"window": median(per_call(window, args.windows))})
+    serve(proto, meta, measure)
 
 
-WORKERS = {"ours": worker_ours, "torch": worker_torch, "optax": worker_optax}
+WORKERS = {"ours": worker_ours, "ours-numba": worker_ours, "torch": worker_torch,
+           "optax": worker_optax}
 
 
 # --------------------------------------------------------------------------
@@ -180,11 +233,14 @@ def parent_main(args):
     peers = [p for p, mod in (("torch", "torch"), ("optax", "optax")) if have_module(mod)]
     missing = sorted({"torch", "optax"} - set(peers))
     log = tempfile.NamedTemporaryFile("w+", prefix="peers-bench-", suffix=".log", delete=False)
-    workers = [Worker(HERE, name, ["--every", str(args.every), "--windows", str(args.windows)],
-                      threads=t, log=log)
-               for t in args.thread_counts for name in ["ours", *peers]]
-    for w, t in zip(workers, [t for t in args.thread_counts for _ in ["ours", *peers]]):
-        w.name = f"{w.name}@{t}"
+    names = ["ours", "ours-numba", *peers]
+    workers = []
+    for t in args.thread_counts:
+        for name in names:
+            w = Worker(HERE, name, ["--every", str(args.every), "--windows", str(args.windows)],
+                       threads=t, log=log)
+            w.name = f"{name}@{t}"
+            workers.append(w)
     try:
         meta = {w.name: w.ready() for w in workers}
         samples = interleaved_rounds(workers, args.rounds, args.max_seconds)
@@ -199,31 +255,37 @@ def parent_main(args):
     med = {k: median(v) * 1e3 for k, v in samples.items()}
     rounds = min(len(v) for v in samples.values())
 
-    m = next(v for k, v in meta.items() if k.startswith("ours"))
+    m = meta[f"ours@{args.thread_counts[0]}"]
     print(f"model 784-512-10 ReLU MLP, float32, batch 64, windows of {args.every} batches + "
           f"one Adam step; {rounds} interleaved rounds x {args.windows} windows; ms = median "
-          "over rounds of the per-round median")
+          "over rounds of the per-round median; one process per library and thread count")
     print(f"ours: compile_accumulation default modes (accumulate / apply linker) {m['modes']}; "
           "ours-numba: plain pytensor.function (Numba)"
           + "".join(f"; {p} {meta[f'{p}@{args.thread_counts[0]}'].get(p)}" for p in peers)
           + (f"; not installed: {', '.join(missing)}" if missing else ""))
     print()
-    cols = ["ours", "ours-numba", *peers]
-    hdr = f"{'threads':>7} " + " ".join(f"{c + ' ms':>14}" for c in cols) + "".join(
+    hdr = f"{'threads':>7} " + " ".join(f"{c + ' ms':>14}" for c in names) + "".join(
         f" {'ours/' + p:>11} {'ours-numba/' + p:>17}" for p in peers)
     print("3. one window (N accumulate steps + one Adam step), per library and thread count")
     print(hdr)
     print("-" * len(hdr))
     verdicts = []
     for t in args.thread_counts:
-        key = {"ours": f"ours@{t}/ours.window", "ours-numba": f"ours@{t}/ours-numba.window",
-               **{p: f"{p}@{t}/window" for p in peers}}
-        row = f"{t:>7} " + " ".join(f"{med[key[c]]:14.3f}" for c in cols)
+        key = {c: f"{c}@{t}/window" for c in names}
+        row = f"{t:>7} " + " ".join(f"{med[key[c]]:14.3f}" for c in names)
         for p in peers:
             a, b = med[key["ours"]] / med[key[p]], med[key["ours-numba"]] / med[key[p]]
             row += f" {a:11.3f} {b:17.3f}"
             verdicts.append((f"3 ours / {p}, {t} thread(s)", a, 1.0))
         print(row)
+    print()
+    print("   per call: an accumulating call (calls 1..N-1 of a window; optax: a MultiSteps "
+          "call that does not step) and the window's last call (ours: accumulate + apply; "
+          "torch: backward + step + zero_grad; optax: the stepping call), ms")
+    print(f"{'threads':>7} " + " ".join(f"{c + ' call/last':>22}" for c in names))
+    for t in args.thread_counts:
+        print(f"{t:>7} " + " ".join(f"{med[f'{c}@{t}/call']:11.3f}/{med[f'{c}@{t}/step']:<10.3f}"
+                                    for c in names))
     print()
     print("4. Adam apply step against the copy bandwidth of a parameter-sized array "
           f"({m['param_bytes'] / 2**20:.2f} MB float32)")

@@ -11,19 +11,24 @@ For each installed backend, on the 784-512-10 MLP (batch 64, Adam, N=4):
 Three graph choices are compared: ``lazy`` (the default: the rule behind
 ``ifelse``, which the library turns into its ``LazyStep`` op in C and Numba:
 the rule runs in place on stepping calls only), ``ifelse`` (the same graph
-compiled without that rewrite: PyTensor's own ``IfElse``) and ``switch`` (the
-rule computed every call and selected).
+compiled without that rewrite: PyTensor's own ``IfElse``), ``switch`` (the
+rule computed every call and selected) and ``select``: ``lazy`` without the
+rewrite that folds the buffer's lazy reset, ``select(fresh, 0, acc) + dot``,
+into the ``Gemm``'s beta (the select then costs a buffer-sized pass per call).
 Each window of N calls of each variant is timed call by call; the variants
-alternate within every round; the table shows medians.
+alternate within every round; the table shows medians. Each backend runs in
+its own process (one after the other).
 
     python benchmarks/single_function.py [--dtype float32] [--rounds 60] [--modes CVM NUMBA]
     python benchmarks/single_function.py --quick     # smoke test: C and Numba, 6 rounds
 """
 
 import argparse
+import os
+import subprocess
+import sys
 import time
 
-import numpy as np
 import pytensor
 from pytensor.compile.mode import get_mode
 
@@ -31,7 +36,7 @@ from common import available_modes, batch, load_average, median, mlp
 
 from lasagne_accum import accumulate_gradients, adam, with_accumulated_gradients
 
-VARIANTS = ("lazy", "ifelse", "switch")
+VARIANTS = ("lazy", "select", "ifelse", "switch")
 
 
 def build(mode, dtype, every):
@@ -44,8 +49,9 @@ def build(mode, dtype, every):
     out["apply"] = pytensor.function([], [], updates=apply, mode=mode)
     # "ifelse": the lazy form as PyTensor compiles it without the library's LazyStep rewrite
     plain = get_mode(mode).excluding("lasagne_accum_lazy_step_c", "lasagne_accum_lazy_step_numba")
-    for variant, lazy, m in (("lazy", True, mode), ("ifelse", True, plain),
-                             ("switch", False, mode)):
+    select = get_mode(mode).excluding("lasagne_accum_gemm_reset")
+    for variant, lazy, m in (("lazy", True, mode), ("select", True, select),
+                             ("ifelse", True, plain), ("switch", False, mode)):
         (x, y), params, loss = mlp(dtype)
         upd = with_accumulated_gradients(loss, params, every, adam, lazy=lazy, learning_rate=1e-3)
         out[variant] = pytensor.function([x, y], loss, updates=upd, mode=m)
@@ -93,6 +99,19 @@ def main():
     args = p.parse_args()
     args.rounds = args.rounds or (6 if args.quick else 60)
     modes = args.modes or (["CVM", "NUMBA"] if args.quick else available_modes())
+    if len(modes) > 1:
+        # one process per backend: in a shared one, the C backend's OpenBLAS threads
+        # still spin while the next Numba call runs (scipy's OpenBLAS), and the
+        # other backend's buffers evict this one's from the cache between calls
+        for mode in modes:
+            cmd = [sys.executable, os.path.abspath(__file__), "--dtype", args.dtype,
+                   "--every", str(args.every), "--rounds", str(args.rounds), "--modes", mode]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            lines = out.stdout.splitlines()
+            if out.returncode:
+                raise SystemExit(f"{mode}: exit {out.returncode}\n{out.stderr[-3000:]}")
+            print("\n".join(lines))
+        return
     print(load_average())
     data = batch(args.dtype)
     print(f"pytensor {pytensor.__version__}, blas: {pytensor.config.blas__ldflags or 'none'}; "

@@ -168,10 +168,15 @@ class _FixingLoader(importlib.abc.Loader):
 
 def install():
     """Apply each backend's fixes now if its dispatch is loaded, else when it loads."""
-    from .fast_ops import register_lazy_step_rewrite, register_numba_gemm_rewrite
+    from .fast_ops import (
+        register_gemm_reset_rewrite,
+        register_lazy_step_rewrite,
+        register_numba_gemm_rewrite,
+    )
 
     register_c_fixes()
     register_numba_gemm_rewrite()
+    register_gemm_reset_rewrite()
     register_lazy_step_rewrite()
     pending = False
     for module, fix in _FIXES.items():

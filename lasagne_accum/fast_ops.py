@@ -12,6 +12,13 @@
   the ``sgemm``/``dgemm`` of scipy's BLAS (the library Numba's own ``np.dot``
   calls), writing into the buffer.
 
+* **The lazy reset, in place.** The single-function form starts a window
+  with ``select(fresh, 0, acc) + dot(x, y)`` (a select: ``0 * acc`` would
+  keep a NaN). :func:`register_gemm_reset_rewrite` folds the select into the
+  ``Gemm``'s ``beta`` (``select(fresh, 0, beta)``; BLAS does not read the
+  buffer when ``beta = 0``), so the buffer is updated in place, with no
+  buffer-sized select per call, in C and Numba.
+
 * **A lazy step that costs nothing.** The single-function form
   (``average=N``) selects the rule's new values with
   ``ifelse(keep, states, new_values)``. PyTensor's ``IfElse`` copies the
@@ -31,15 +38,16 @@ All are registered by :func:`lasagne_accum.backends.install` when the library
 is imported (the Numba implementations once PyTensor loads its Numba dispatch).
 Each rewrite can be left out by name, to compare:
 ``get_mode("NUMBA").excluding("lasagne_accum_numba_gemm",
-"lasagne_accum_lazy_step_numba")``, ``get_mode("CVM").excluding(
+"lasagne_accum_gemm_reset", "lasagne_accum_lazy_step_numba")``,
+``get_mode("CVM").excluding("lasagne_accum_gemm_reset",
 "lasagne_accum_lazy_step_c")``.
 """
 
 import hashlib
 import pathlib
 
-__all__ = ["register_numba_gemm_rewrite", "register_numba_gemm", "register_lazy_step_rewrite",
-           "register_numba_lazy_step", "LazyStep"]
+__all__ = ["register_numba_gemm_rewrite", "register_gemm_reset_rewrite", "register_numba_gemm",
+           "register_lazy_step_rewrite", "register_numba_lazy_step", "LazyStep"]
 
 _registered: set[str] = set()
 # Numba's on-disk cache is keyed by what a dispatcher says; the source's hash
@@ -58,6 +66,23 @@ def register_numba_gemm_rewrite():
     ``Dot22`` left over become ``Dot`` again (their Numba code). Registered
     under the tag ``numba`` only: the C, JAX and PyTorch backends' graphs do
     not change.
+
+    Examples
+    --------
+    Importing :mod:`lasagne_accum` registers it; an accumulation then runs as
+    one in-place ``Gemm`` under Numba:
+
+    >>> import numpy as np, pytensor, pytensor.tensor as pt
+    >>> from pytensor.compile.mode import NUMBA
+    >>> import lasagne_accum
+    >>> acc = pytensor.shared(np.zeros((2, 2)), name="acc")
+    >>> x = pt.matrix("x")
+    >>> f = pytensor.function([x], [], updates={acc: acc + x.T @ x}, mode=NUMBA)
+    >>> [str(n.op) for n in f.maker.fgraph.toposort() if "Gemm" in str(n.op)]
+    ['Gemm{inplace}']
+    >>> _ = f(np.ones((3, 2))); _ = f(np.ones((3, 2))); acc.get_value()
+    array([[6., 6.],
+           [6., 6.]])
     """
     if "gemm-rewrite" in _registered:
         return
@@ -81,6 +106,91 @@ def register_numba_gemm_rewrite():
     # where the C backend's BlasOpt runs: after stabilisation, before specialisation
     optdb.register("lasagne_accum_numba_gemm", seq, "numba", position=1.71)
     _registered.add("gemm-rewrite")
+
+
+# --------------------------------------------------------------------------
+# rewrite: Gemm(select(fresh, 0, acc), ...) -> Gemm(acc, ..., beta=select(fresh, 0, beta))
+# --------------------------------------------------------------------------
+def _gemm_reset_rewrite():
+    import numpy as np
+    import pytensor.tensor as pt
+    from pytensor.graph.rewriting.basic import node_rewriter
+    from pytensor.scalar.basic import Switch
+    from pytensor.tensor.blas import Gemm
+    from pytensor.tensor.elemwise import Elemwise
+    from pytensor.tensor.exceptions import NotScalarConstantError
+
+    def is_zero(v):
+        try:
+            return bool(pt.get_underlying_scalar_constant_value(v) == 0)
+        except NotScalarConstantError:
+            return False
+
+    @node_rewriter([Gemm])
+    def local_gemm_select_reset(fgraph, node):
+        """``gemm(switch(c, 0, z), a, x, y, b)`` -> ``gemm(z, a, x, y, switch(c, 0, b))``."""
+        z, alpha, x, y, beta = node.inputs
+        sel = z.owner
+        if sel is None or not (isinstance(sel.op, Elemwise)
+                               and isinstance(sel.op.scalar_op, Switch)):
+            return None
+        cond, if_true, if_false = sel.inputs
+        if not all(cond.type.broadcastable):  # one condition for the whole matrix
+            return None
+        flag = cond.dimshuffle([]) if cond.type.ndim else cond
+        zero = np.zeros((), beta.type.dtype)
+        if is_zero(if_true) and if_false.type == z.type:
+            kept, new_beta = if_false, pt.switch(flag, zero, beta)
+        elif is_zero(if_false) and if_true.type == z.type:
+            kept, new_beta = if_true, pt.switch(flag, beta, zero)
+        else:
+            return None
+        return [node.op(kept, alpha, x, y, new_beta)]
+
+    return local_gemm_select_reset
+
+
+def register_gemm_reset_rewrite():
+    """Fold a select-to-zero of Gemm's accumulator into its ``beta`` (idempotent).
+
+    The single-function form resets its buffers lazily with
+    ``select(fresh, 0, acc) + dot(x, y)`` (a select, so that a NaN left in
+    the buffer is dropped, where ``0 * acc`` would keep it). Once that sum is
+    a ``Gemm``, the select is a parameter-sized pass and array per call; this
+    rewrite makes it ``gemm(acc, alpha, x, y, select(fresh, 0, beta))``, which
+    runs in place on the buffer. Exact, NaN included: with ``beta = 0`` BLAS
+    gemm does not read its output's old values (the reference BLAS contract,
+    "when BETA is supplied as zero then C need not be set on input", which
+    OpenBLAS and scipy's BLAS keep: ``tests/test_fast_ops.py`` checks it), and
+    so do ``Gemm``'s Python and Numba code paths. Registered for the C and
+    Numba backends (``fast_run``, ``numba``), after the Gemm rewrites.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor, pytensor.tensor as pt
+    >>> from pytensor.compile.mode import CVM
+    >>> import lasagne_accum  # registers the rewrite
+    >>> acc = pytensor.shared(np.full((2, 2), np.nan), name="acc")
+    >>> x, fresh = pt.matrix("x"), pt.scalar("fresh", dtype="bool")
+    >>> new = pt.switch(fresh, 0.0, acc) + x.T @ x
+    >>> f = pytensor.function([x, fresh], [], updates={acc: new}, mode=CVM)
+    >>> [str(n.op) for n in f.maker.fgraph.toposort() if "Gemm" in str(n.op)]
+    ['Gemm{inplace}']
+    >>> _ = f(np.ones((3, 2)), True); acc.get_value()    # a reset: the NaN is dropped
+    array([[3., 3.],
+           [3., 3.]])
+    >>> _ = f(np.ones((3, 2)), False); acc.get_value()   # then it accumulates
+    array([[6., 6.],
+           [6., 6.]])
+    """
+    if "gemm-reset" in _registered:
+        return
+    from pytensor.compile.mode import optdb
+    from pytensor.graph.rewriting.basic import dfs_rewriter
+
+    optdb.register("lasagne_accum_gemm_reset", dfs_rewriter(_gemm_reset_rewrite()),
+                   "fast_run", "numba", position=1.72)
+    _registered.add("gemm-reset")
 
 
 # --------------------------------------------------------------------------
@@ -213,7 +323,26 @@ def _numba_gemm_kernels():
 
 
 def register_numba_gemm():
-    """Give PyTensor's ``Gemm`` a Numba implementation through BLAS (idempotent; imports numba)."""
+    """Give PyTensor's ``Gemm`` a Numba implementation through BLAS (idempotent; imports numba).
+
+    ``gemm(z, a, x, y, b) = b * z + a * x @ y`` (``z`` not read when
+    ``b == 0``, as BLAS); the in-place ``Gemm`` writes into ``z``'s buffer.
+    Inputs of any layout: a non-contiguous ``z`` is computed aside and copied
+    in.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor, pytensor.tensor as pt
+    >>> from pytensor.compile.mode import NUMBA
+    >>> from pytensor.tensor.blas import gemm_no_inplace
+    >>> import lasagne_accum  # registers it once PyTensor loads its Numba backend
+    >>> z, x, y = pt.matrix("z"), pt.matrix("x"), pt.matrix("y")
+    >>> a, b = pt.scalar("a"), pt.scalar("b")
+    >>> f = pytensor.function([z, a, x, y, b], gemm_no_inplace(z, a, x, y, b), mode=NUMBA)
+    >>> f(np.ones((2, 2)), 2.0, np.eye(2), np.full((2, 2), 3.0), 0.5)
+    array([[6.5, 6.5],
+           [6.5, 6.5]])
+    """
     if "numba-gemm" in _registered:
         return
     import numpy as np
@@ -227,6 +356,13 @@ def register_numba_gemm():
     def _dot(x, y):
         return np.dot(np.ascontiguousarray(x), np.ascontiguousarray(y))
 
+    @numba_basic.numba_njit
+    def _gemm_aside(z, a, x, y, b):
+        """``b * z + a * x @ y`` in a new array; z is not read when b == 0 (as BLAS)."""
+        if b == 0:
+            return np.asarray(a * _dot(x, y) + np.zeros_like(z))
+        return np.asarray(b * z + a * _dot(x, y))
+
     @register_funcify_and_cache_key(Gemm)
     def numba_funcify_Gemm(op, node, **kwargs):
         dtype = node.outputs[0].type.dtype
@@ -234,7 +370,7 @@ def register_numba_gemm():
         if dtype not in ("float32", "float64"):
             @numba_basic.numba_njit
             def gemm_generic(z, a, x, y, b):
-                return np.asarray(b.item() * z + a.item() * _dot(x, y)).astype(z.dtype)
+                return _gemm_aside(z, a.item(), x, y, b.item()).astype(z.dtype)
 
             return gemm_generic, f"lasagne_accum-gemm-generic-{dtype}-{_SOURCE_KEY}"
         run = gemm_into(dtype)
@@ -244,7 +380,7 @@ def register_numba_gemm():
             def gemm(z, a, x, y, b):
                 if x.shape[1] != y.shape[0] or z.shape[0] != x.shape[0] or \
                         z.shape[1] != y.shape[1]:
-                    return np.asarray(b.item() * z + a.item() * _dot(x, y))
+                    return _gemm_aside(z, a.item(), x, y, b.item())
                 run(z, a.item(), x, y, b.item())
                 return z
         else:
@@ -252,7 +388,7 @@ def register_numba_gemm():
             def gemm(z, a, x, y, b):
                 if x.shape[1] != y.shape[0] or z.shape[0] != x.shape[0] or \
                         z.shape[1] != y.shape[1]:
-                    return np.asarray(b.item() * z + a.item() * _dot(x, y))
+                    return _gemm_aside(z, a.item(), x, y, b.item())
                 out = z.copy()
                 run(out, a.item(), x, y, b.item())
                 return out
@@ -283,6 +419,31 @@ def _make_lazy_step_class():
         Built by the ``lasagne_accum_lazy_step`` rewrites from PyTensor's
         ``ifelse(keep, states, new_values)``, where the states are updated
         shared variables; JAX and PyTorch keep the ``IfElse``.
+
+        Parameters
+        ----------
+        fgraph : FunctionGraph
+            The inner graph: inputs are the states, then the other values it
+            reads; outputs are the states' new values, in the states' order.
+        n_states : int
+            How many of the inputs are states.
+
+        Examples
+        --------
+        >>> import numpy as np, pytensor, pytensor.tensor as pt
+        >>> from pytensor.compile.mode import CVM
+        >>> from pytensor.graph.fg import FunctionGraph
+        >>> from lasagne_accum.fast_ops import LazyStep
+        >>> s_in, g_in = pt.vector("s"), pt.vector("g")
+        >>> op = LazyStep(FunctionGraph([s_in, g_in], [s_in - g_in], clone=False), 1)
+        >>> state = pytensor.shared(np.ones(2), name="state")
+        >>> cond, g = pt.scalar("cond", dtype="bool"), pt.vector("g")
+        >>> f = pytensor.function([cond, g], [], updates={state: op(cond, state, g)},
+        ...                       mode=CVM, accept_inplace=True)
+        >>> _ = f(False, np.full(2, 0.25)); state.get_value()   # nothing runs
+        array([1., 1.])
+        >>> _ = f(True, np.full(2, 0.25)); state.get_value()
+        array([0.75, 0.75])
         """
 
         __props__ = ()
@@ -431,6 +592,22 @@ def register_lazy_step_rewrite():
     Registered twice: under ``cxx_only`` (C modes) and ``numba``; JAX and
     PyTorch leave both tags out and keep the ``IfElse`` (JAX's already
     costs nothing there: XLA selects without copying).
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor, pytensor.tensor as pt
+    >>> from pytensor.compile.mode import CVM
+    >>> import lasagne_accum  # registers the rewrite
+    >>> w = pytensor.shared(np.zeros(2), name="w")
+    >>> g = pt.vector("g")
+    >>> upd = lasagne_accum.sgd([g], [w], learning_rate=1.0, average=2)
+    >>> f = pytensor.function([g], [], updates=upd, mode=CVM)
+    >>> sorted({type(n.op).__name__ for n in f.maker.fgraph.toposort()} & {"IfElse", "LazyStep"})
+    ['LazyStep']
+    >>> _ = f(np.ones(2)); w.get_value()          # no step on the first call
+    array([0., 0.])
+    >>> _ = f(np.full(2, 3.0)); w.get_value()     # the mean gradient, 2
+    array([-2., -2.])
     """
     if "lazy-rewrite" in _registered:
         return
@@ -447,13 +624,31 @@ def register_lazy_step_rewrite():
 
 
 def register_numba_lazy_step():
-    """Numba implementation of :class:`LazyStep` (idempotent; imports numba)."""
+    """Numba implementation of :class:`LazyStep` (idempotent; imports numba).
+
+    The inner graph is compiled by the Numba backend and called behind an
+    ``if`` in the outer function's code; its results are stored into the
+    states' buffers unless the inner graph wrote them there already.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor, pytensor.tensor as pt
+    >>> from pytensor.compile.mode import NUMBA
+    >>> import lasagne_accum  # registers it once PyTensor loads its Numba backend
+    >>> w = pytensor.shared(np.zeros(2), name="w")
+    >>> g = pt.vector("g")
+    >>> upd = lasagne_accum.sgd([g], [w], learning_rate=1.0, average=2)
+    >>> f = pytensor.function([g], [], updates=upd, mode=NUMBA)
+    >>> "LazyStep" in {type(n.op).__name__ for n in f.maker.fgraph.toposort()}
+    True
+    >>> _ = f(np.ones(2)); _ = f(np.full(2, 3.0)); w.get_value()
+    array([-2., -2.])
+    """
     if "numba-lazy" in _registered:
         return
     register_lazy_step_rewrite()
     from hashlib import sha256
 
-    import numpy as np
     from pytensor.compile.aliasing import add_supervisor_to_fgraph, insert_deepcopy
     from pytensor.compile.io import In, Out
     from pytensor.compile.mode import NUMBA

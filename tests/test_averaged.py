@@ -434,11 +434,21 @@ def test_weight_zero_or_negative_is_refused_like_the_two_function_form(form):
         accumulate_gradients(m.loss, m.params, weight=0)
 
 
-def test_buffer_does_not_carry_nan_into_the_next_window():
-    """Was: the lazy reset 0 * NaN kept a NaN batch in the buffer for good."""
+@pytest.mark.real_backend  # the C and Numba code paths (Gemm with beta = 0), compiled
+@pytest.mark.parametrize("mode", [None, "CVM"])
+def test_buffer_does_not_carry_nan_into_the_next_window(mode):
+    """Was: the lazy reset 0 * NaN kept a NaN batch in the buffer for good.
+
+    W's buffer is reset inside an in-place Gemm (beta = 0 on a window's first
+    call), the bias's by an elementwise select: both must drop the NaN.
+    """
     m = Model()
     upd = with_accumulated_gradients(m.loss, m.params, 2, L.sgd, learning_rate=0.1)
-    f = pytensor.function([m.X, m.Y], [], updates=upd)
+    f = pytensor.function([m.X, m.Y], [], updates=upd, mode=mode)
+    fg = f.maker.fgraph
+    names = {fg.inputs[k]: i.variable.name for k, i in enumerate(f.maker.inputs)}
+    gemm_on = [names.get(n.inputs[0]) for n in fg.toposort() if str(n.op) == "Gemm{inplace}"]
+    assert gemm_on == ["W.grad_accu"]  # the fast path is the one tested
     rng = np.random.default_rng(17)
     bad, good = make_batch(rng, 2), make_batch(rng, 2)
     bad[0][0, 0] = np.nan

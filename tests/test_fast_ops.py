@@ -195,6 +195,77 @@ def test_numba_accumulate_allocates_no_buffer_sized_array(dtype):
     assert peaks["gemm"] < nbytes // 10
 
 
+@pytest.mark.parametrize("mode", ["NUMBA", "CVM", "PY"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemm_with_beta_zero_does_not_read_z(dtype, mode):
+    """The contract the reset rewrite relies on: beta = 0 drops z, NaN and inf included
+    (BLAS's "C need not be set on input"), in every layout, in C, Numba and Python."""
+    from pytensor.compile.mode import Mode
+
+    rng = np.random.default_rng(8)
+    z, x, y = (pt.matrix(n, dtype=dtype) for n in "zxy")
+    a, b = pt.scalar("a", dtype=dtype), pt.scalar("b", dtype=dtype)
+    m = Mode(linker="py", optimizer=None) if mode == "PY" else mode
+    f = pytensor.function([z, a, x, y, b], gemm_no_inplace(z, a, x, y, b), mode=m)
+    assert _gemm_nodes(f)
+    xv = rng.standard_normal((5, 4)).astype(dtype)
+    yv = rng.standard_normal((4, 3)).astype(dtype)
+    want = -1.5 * (xv.astype(np.float64) @ yv.astype(np.float64))
+    bad = np.full((5, 3), np.nan, dtype)
+    bad[1, 2] = np.inf
+    for lz, zl in _layouts(bad).items():
+        got = f(zl, -1.5, xv, yv, 0.0)
+        assert np.isfinite(got).all(), lz
+        _close(got, want, dtype, what=lz)
+
+
+def _select_reset_fn(dtype, mode, flipped=False):
+    x = pt.matrix("x", dtype=dtype)
+    d = pt.matrix("d", dtype=dtype)
+    fresh = pt.scalar("fresh", dtype="bool")
+    acc = pytensor.shared(np.full((7, 5), np.nan, dtype), name="acc")
+    zero = np.zeros((), dtype)
+    kept = pt.switch(pt.invert(fresh), acc, zero) if flipped else pt.switch(fresh, zero, acc)
+    f = pytensor.function([x, d, fresh], [], updates={acc: kept + x.T @ d}, mode=mode)
+    return acc, f
+
+
+@pytest.mark.parametrize("flipped", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_select_reset_folds_into_an_inplace_gemm(dtype, mode, flipped):
+    """``switch(fresh, 0, acc) + x.T @ d`` (the single-function form's lazy reset) is one
+    in-place Gemm on the buffer, no matrix-sized select, and a reset drops a NaN."""
+    from pytensor.scalar.basic import Switch
+    from pytensor.tensor.elemwise import Elemwise
+
+    acc, f = _select_reset_fn(dtype, mode, flipped)
+    assert [str(n.op) for n in _gemm_nodes(f)] == ["Gemm{inplace}"]
+    assert _destroyed_inputs(f) == {"acc"}
+    assert not [n for n in f.maker.fgraph.toposort() if isinstance(n.op, Elemwise)
+                and isinstance(n.op.scalar_op, Switch) and n.outputs[0].type.ndim == 2]
+    rng = np.random.default_rng(9)
+    address = acc.get_value(borrow=True).ctypes.data
+    want = np.full((7, 5), np.nan)
+    for fresh in (True, False, False, True, False):
+        xv = rng.standard_normal((20, 7)).astype(dtype)
+        dv = rng.standard_normal((20, 5)).astype(dtype)
+        f(xv, dv, fresh)
+        want = (0 if fresh else want) + xv.astype(np.float64).T @ dv.astype(np.float64)
+        got = acc.get_value(borrow=True)
+        assert got.ctypes.data == address and got.dtype == dtype
+        _close(got, want, dtype)
+
+
+def test_select_reset_rewrite_can_be_left_out():
+    """Excluded by name, the select stays (what ``benchmarks/single_function.py`` compares)."""
+    mode = get_mode("CVM").excluding("lasagne_accum_gemm_reset")
+    acc, f = _select_reset_fn("float64", mode)
+    assert [n.inputs[0].owner is not None for n in _gemm_nodes(f)] == [True]
+    f(np.ones((2, 7)), np.ones((2, 5)), True)
+    np.testing.assert_array_equal(acc.get_value(), np.full((7, 5), 2.0))
+
+
 def test_gemm_rewrite_is_numba_only():
     """The C backend keeps its own pass; JAX-style and Python modes get no Gemm from us."""
     x = pt.matrix("x")
