@@ -251,7 +251,10 @@ class ShardActor:
         end = time.monotonic() + wait_for
         while True:
             event = self._event(name)             # taken before the check: no lost wake-up
-            result = shard.wait_round(round_id, timeout=0, blocking=False, pull=pull)
+            # the lock is only ever held for a step or a copy: wait for it (with
+            # blocking=False a busy lock read as an open round, and the round's end,
+            # already signalled, was missed until the timeout)
+            result = shard.wait_round(round_id, timeout=0, pull=pull)
             if result is not None:
                 return result
             left = end - time.monotonic()
@@ -263,8 +266,6 @@ class ShardActor:
                     "round_timeout= to drop workers that stop pushing)")
             deadline = shard.book.deadline()
             step = left if deadline is None else min(left, deadline + 1e-3)
-            if shard.lock.locked():
-                step = min(step, 0.005)           # a thread holds the lock: look again soon
             try:
                 await asyncio.wait_for(event.wait(), max(step, 1e-4))
             except asyncio.TimeoutError:
