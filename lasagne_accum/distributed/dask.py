@@ -416,31 +416,47 @@ class DaskParameterServer(BaseServer):
         except ValueError:
             return self._client_args or {}
 
-    async def _exchange(self, g, payload, timeout):
-        """Send one request to group `g`'s process on this thread's persisted comm; the reply."""
+    async def _send(self, g, payload, timeout):
+        """Write one request to group `g`'s process on this thread's comm; ``(comm, reused)``."""
         distributed = _require_distributed()
         address = self.hosts[g]
-        message = {"op": HANDLER, "key": self._keys[g], "payload": payload}
-        for attempt in (0, 1):
-            comm = _links.comms.get(address)
-            reused = comm is not None and not comm.closed()
-            if not reused:
-                comm = await distributed.comm.connect(
-                    address, timeout=min(timeout, _RECONNECT if attempt else timeout),
-                    **self._connection_args())
-                _links.comms[address] = comm
+        comm = _links.comms.get(address)
+        reused = comm is not None and not comm.closed()
+        if not reused:
+            comm = await distributed.comm.connect(address, timeout=timeout,
+                                                  **self._connection_args())
+            _links.comms[address] = comm
+        try:
+            await comm.write({"op": HANDLER, "key": self._keys[g], "payload": payload})
+        except (distributed.comm.CommClosedError, OSError):
+            _links.drop([address])
+            if reused:                 # closed while idle: once more on a new comm
+                return await self._send(g, payload, min(timeout, _RECONNECT))
+            raise
+        except BaseException:          # cancelled (a timeout): the comm is out of step
+            _links.drop([address])
+            raise
+        return comm, reused
+
+    async def _receive(self, g, payload, sent, timeout):
+        """The reply to a request sent by :meth:`_send`; its value, or raises its exception."""
+        distributed = _require_distributed()
+        address = self.hosts[g]
+        comm, reused = sent
+        try:
             try:
-                await comm.write(message)
                 reply = await comm.read()
-                break
             except (distributed.comm.CommClosedError, OSError):
                 _links.drop([address])
-                if reused and attempt == 0:     # closed while idle: once more on a new comm
-                    continue                    # (a repeated push is not applied twice)
-                raise
-            except BaseException:               # cancelled (timeout): the comm is out of step
-                _links.drop([address])
-                raise
+                if not reused:
+                    raise
+                # closed while idle: send once more on a new comm (a push repeated
+                # with the same (worker, seq) is not applied twice)
+                comm, _ = await self._send(g, payload, min(timeout, _RECONNECT))
+                reply = await comm.read()
+        except BaseException:
+            _links.drop([address])
+            raise
         if not isinstance(reply, bytes):        # Dask's own error message
             raise RuntimeError(f"shard process {address}: {reply!r:.500}")
         ok, value = pickle.loads(reply)
@@ -448,46 +464,74 @@ class DaskParameterServer(BaseServer):
             raise value
         return value
 
-    def _remote(self, jobs, what, extra=0.0):
-        """Run ``{g: (method, args)}`` on other processes, all at once; ``{g: result or exc}``."""
+    def _remote(self, jobs, what, extra=0.0, between=None):
+        """Run ``{g: (method, args)}`` on other processes, all at once; ``{g: result or exc}``.
+
+        Every request is written before `between` (a callable, the work on
+        this process's own shards) runs; the replies are read after it.
+        """
         if not jobs:
+            if between is not None:
+                between()
             return {}
         try:
             asyncio.get_running_loop()
         except RuntimeError:
             pass
         else:                     # this thread runs an event loop: use a thread that does not
-            return _helper_thread().submit(self._remote, jobs, what, extra).result()
+            return _helper_thread().submit(self._remote, jobs, what, extra, between).result()
+        distributed = _require_distributed()
+        lost = (_Gone, OSError, EOFError, asyncio.TimeoutError, TimeoutError,
+                distributed.comm.CommClosedError)
         timeout = self.options.wait_timeout + _GRACE + extra
+        end = time.monotonic() + timeout
+        loop = _links.event_loop()
+        payloads = {g: pickle.dumps(job, protocol=5) for g, job in jobs.items()}
+        out = {}
 
-        async def one(g, method, args):
+        async def guard(g, make):
             try:
-                payload = pickle.dumps((method, args), protocol=5)
-                return await asyncio.wait_for(self._exchange(g, payload, timeout), timeout)
-            except (_Gone, OSError, EOFError, asyncio.TimeoutError, TimeoutError,
-                    _require_distributed().comm.CommClosedError) as exc:
-                return self._lost(g, what, exc, timeout)
+                return await asyncio.wait_for(make(), max(1e-3, end - time.monotonic()))
+            except lost as exc:
+                out[g] = self._lost(g, what, exc, timeout)
             except Exception as exc:
-                return exc
+                out[g] = exc
 
-        async def every():
-            return await asyncio.gather(*(one(g, m, a) for g, (m, a) in jobs.items()))
+        async def every(make):
+            if len(jobs) == 1:
+                g = next(iter(jobs))
+                return {g: await guard(g, lambda: make(g))}
+            done = await asyncio.gather(*(guard(g, lambda g=g: make(g)) for g in jobs))
+            return dict(zip(jobs, done))
 
-        return dict(zip(jobs, _links.event_loop().run_until_complete(every())))
+        sent = loop.run_until_complete(every(lambda g: self._send(g, payloads[g], timeout)))
+        try:
+            if between is not None:
+                between()
+        finally:
+            todo = {g: v for g, v in sent.items() if g not in out}
+            if todo:
+                got = loop.run_until_complete(every(
+                    lambda g: self._receive(g, payloads[g], todo[g], timeout)
+                    if g in todo else asyncio.sleep(0)))
+                out.update({g: v for g, v in got.items() if g in todo and g not in out})
+        return out
 
     def _run(self, jobs, what, extra=0.0):
         """``{g: (method, args)}``: the shards of this process directly, the others by message."""
-        out, remote = {}, {}
-        for g, job in jobs.items():
-            actor = self._here(g)
-            if actor is None:
-                remote[g] = job
-                continue
-            try:
-                out[g] = actor.serve_here(*job)
-            except Exception as exc:
-                out[g] = exc
-        out.update(self._remote(remote, what, extra))
+        out = {}
+        here = {g: self._here(g) for g in jobs}
+
+        def local():
+            for g, actor in here.items():
+                if actor is not None:
+                    try:
+                        out[g] = actor.serve_here(*jobs[g])
+                    except Exception as exc:
+                        out[g] = exc
+
+        out.update(self._remote({g: job for g, job in jobs.items() if here[g] is None}, what,
+                                extra, between=local))
         return out
 
     # ------------------------------------------------------------ BaseServer's backend
@@ -525,15 +569,20 @@ class DaskParameterServer(BaseServer):
                 ok, exc = outs[g]
                 if not ok:
                     raise exc
-        # this process's shards first, without waiting for their rounds; then the others
-        # (they wait for their rounds there); then this process's rounds
+        # the requests to other processes are written first (there they wait for their
+        # rounds); then this process's shards are pushed, without waiting for their
+        # rounds, while the others work; then the replies; then this process's rounds
         here = {g: self._here(g) for g in groups}
         outs = {}
-        for g, actor in here.items():
-            if actor is not None:
-                outs[g] = actor.serve_here("push", (per[g], pull))
+
+        def local():
+            for g, actor in here.items():
+                if actor is not None:
+                    outs[g] = actor.serve_here("push", (per[g], pull))
+
         outs.update(self._remote({g: ("push", (per[g], pull, wait)) for g in groups
-                                  if here[g] is None}, "push", extra=self.options.wait_timeout))
+                                  if here[g] is None}, "push", extra=self.options.wait_timeout,
+                                 between=local))
         failed = any(isinstance(v, Exception) or not v[0] for v in outs.values())
         if self.mode == "sync" and wait and not failed:
             for g, actor in here.items():
