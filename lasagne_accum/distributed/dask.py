@@ -622,10 +622,14 @@ class DaskParameterServer(BaseServer):
 
     def close(self):
         """Release the shard actors (their state is lost: :meth:`save` first)."""
-        _links.drop([h for h in getattr(self, "hosts", []) if h in _links.comms])
+        hosts = getattr(self, "hosts", [])
+        _links.drop([h for h in hosts if h in _links.comms])
+        if _helper is not None:
+            _helper.submit(_links.drop, [h for h in hosts]).result()
         for f in getattr(self, "_futures", []):
             f.release()
         self._futures = []
+        self._actors = []             # the handles hold the actors' keys too
 
 
 @contextlib.contextmanager
@@ -691,7 +695,10 @@ def _worker_task(server, worker_id, build_model, batches, accumulate, model_kwar
         server.unregister(worker_id)      # let sync rounds go on without it
         raise
     start = None if barrier is None else (lambda: barrier(worker_id))
-    return worker.run(batches, start=start)
+    try:
+        return worker.run(batches, start=start)
+    finally:
+        _links.drop([h for h in server.hosts if h in _links.comms])
 
 
 def _trainer_addresses(client, server, n):
