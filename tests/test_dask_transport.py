@@ -150,3 +150,19 @@ def test_released_shards_raise_shard_lost_within_the_timeout(client):
             server.pull()
             time.sleep(0.1)
     assert time.monotonic() - start < 2.0 + 5.0 + 5.0
+
+
+def test_shard_comms_use_the_clusters_tls():
+    from lasagne_accum.distributed.dask import local_cluster
+
+    with local_cluster(2, security=True) as tls_client:
+        server = _server(tls_client)
+        try:
+            assert all(h.startswith("tls://127.0.0.1:") for h in server.hosts)
+            seen = tls_client.submit(_push_then_pull, server, "a", 3, pure=False).result(
+                timeout=60)
+            assert seen == [(1, 1), (2, 2), (3, 3)]
+            _, params = server.pull()                     # from the client's process
+            np.testing.assert_array_equal(params["w"], -3 * np.ones(3))
+        finally:
+            server.close()

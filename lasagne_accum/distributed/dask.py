@@ -19,8 +19,9 @@ them at once. The shards of the caller's own process are called directly,
 without a message.
 
 A push to shards in several processes is checked on all of them before it is
-applied anywhere (one extra message, skipped in async mode when every version
-in the push is one this client has already seen). Waiting for a sync round
+applied anywhere (one extra message), unless every shard must take the same
+decision on it: versions this client has already seen from every shard, and
+in sync mode no ``round_timeout`` (see ``DaskParameterServer._may_diverge``). Waiting for a sync round
 is event-driven: the shard wakes the waiting coroutine (remote callers) or
 thread (callers in its own process) when the round ends. Every call is
 bounded by the server's ``wait_timeout``: a lost process becomes
@@ -557,8 +558,7 @@ class DaskParameterServer(BaseServer):
     def _push(self, indices, calls, pull, wait):
         groups = self._groups(indices, calls)
         per = {g: [(n, c) for _, n, c in items] for g, items in groups.items()}
-        need_check = len(groups) > 1 and (self.mode == "sync" or any(
-            c[4] > self._known[i] for i, c in zip(indices, calls)))
+        need_check = len(groups) > 1 and self._may_diverge(indices, calls)
         if need_check:          # all or nothing across processes: check everywhere first
             outs = self._run({g: ("check", ([(n, (c[0], c[1], None, None, c[4]))
                                              for n, c in per[g]],))
@@ -605,6 +605,21 @@ class DaskParameterServer(BaseServer):
             if r.get("version") is not None:
                 self._known[i] = max(self._known[i], r["version"])
         return results
+
+    def _may_diverge(self, indices, calls):
+        """Could the shards of different processes take different decisions on this push?
+
+        Shards refuse a push for reasons of their own state: a version they
+        have not reached, or (sync) a round that went on without the worker
+        (``round_timeout`` drops it from some shards' rounds, maybe not yet
+        from others'). Pushes of versions this client has already seen from
+        every shard (async: at most; sync: exactly, with no round timeout)
+        are refused by all shards or by none: no check is needed.
+        """
+        if self.mode == "sync":
+            return self.options.round_timeout is not None or any(
+                c[4] != self._known[i] for i, c in zip(indices, calls))
+        return any(c[4] > self._known[i] for i, c in zip(indices, calls))
 
     def _note_rejected(self):
         try:
