@@ -41,6 +41,14 @@ def _server(client, **kw):
                                compile_mode="CVM", **kw)
 
 
+@pytest.fixture
+def server(client):
+    """A fresh async server on the module's cluster (one shard per process), closed after."""
+    s = _server(client)
+    yield s
+    s.close()
+
+
 def _abort_comms_from(peers, dask_worker):
     """Abort this worker's incoming comms from the addresses `peers`; how many."""
     comms = [c for c in list(dask_worker._comms) if c.peer_address in peers]
@@ -67,77 +75,62 @@ def _push_then_pull(server, wid, n):
     return seen
 
 
-def test_handler_serves_the_shards_of_every_process(client):
-    server = _server(client)
-    try:
-        assert len(set(server.placement.values())) == 2
-        assert client.run(_installed, workers=server.hosts) == {h: True for h in server.hosts}
-        seen = client.submit(_push_then_pull, server, "a", 5, pure=False).result(timeout=60)
-        assert seen == [(k, k) for k in range(1, 6)]       # every push applied once, in order
-        _, params = server.pull()
-        np.testing.assert_array_equal(params["w"], -5 * np.ones(3))
-        np.testing.assert_array_equal(params["b"], -5 * np.ones(1))
-        assert sorted(server.actor_pids()) == sorted(server.hosts)
-    finally:
-        server.close()
+def test_handler_serves_the_shards_of_every_process(client, server):
+    assert len(set(server.placement.values())) == 2
+    assert client.run(_installed, workers=server.hosts) == {h: True for h in server.hosts}
+    seen = client.submit(_push_then_pull, server, "a", 5, pure=False).result(timeout=60)
+    assert seen == [(k, k) for k in range(1, 6)]       # every push applied once, in order
+    _, params = server.pull()
+    np.testing.assert_array_equal(params["w"], -5 * np.ones(3))
+    np.testing.assert_array_equal(params["b"], -5 * np.ones(1))
+    assert sorted(server.actor_pids()) == sorted(server.hosts)
 
 
-def test_push_on_a_comm_closed_under_it_is_resent_and_applied_once(client):
-    server = _server(client)
-    try:
-        version, _ = server.register("a")
-        g = {"w": np.ones(3), "b": np.ones(1)}
-        assert server.push("a", 0, g, version=version)["applied"]
-        # the shard processes drop this thread's persisted comms while they are idle
-        from lasagne_accum.distributed.dask import _links
+def test_push_on_a_comm_closed_under_it_is_resent_and_applied_once(client, server):
+    version, _ = server.register("a")
+    g = {"w": np.ones(3), "b": np.ones(1)}
+    assert server.push("a", 0, g, version=version)["applied"]
+    # the shard processes drop this thread's persisted comms while they are idle
+    from lasagne_accum.distributed.dask import _links
 
-        mine = [c.local_address for c in _links.comms.values()]
-        closed = client.run(_abort_comms_from, mine, workers=server.hosts)
-        assert sum(closed.values()) == 2
-        time.sleep(0.2)
-        r = server.push("a", 1, g, version=(1, 1))
-        assert r["applied"] and not r["duplicate"] and r["version"] == (2, 2)
-        again = server.push("a", 1, g, version=(1, 1))           # the same id: not twice
-        assert again["duplicate"] and not again["applied"] and again["version"] == (2, 2)
-        _, params = server.pull()
-        np.testing.assert_array_equal(params["w"], -2 * np.ones(3))
-        assert server.stats()["applied"] == 2
-    finally:
-        server.close()
+    mine = [c.local_address for c in _links.comms.values()]
+    closed = client.run(_abort_comms_from, mine, workers=server.hosts)
+    assert sum(closed.values()) == 2
+    time.sleep(0.2)
+    r = server.push("a", 1, g, version=(1, 1))
+    assert r["applied"] and not r["duplicate"] and r["version"] == (2, 2)
+    assert not set(c.local_address for c in _links.comms.values()) & set(mine)   # new comms
+    again = server.push("a", 1, g, version=(1, 1))           # the same id: not twice
+    assert again["duplicate"] and not again["applied"] and again["version"] == (2, 2)
+    _, params = server.pull()
+    np.testing.assert_array_equal(params["w"], -2 * np.ones(3))
+    assert server.stats()["applied"] == 2
 
 
-def test_cross_process_push_is_all_or_nothing(client):
-    server = _server(client)
-    try:
-        server.register("a")
-        g = {"w": np.ones(3), "b": np.ones(1)}
-        server.push("a", 0, g, version=(0, 0))
-        with pytest.raises(PushRejected, match="version 7"):     # only shard 'b' refuses
-            server.push("a", 1, g, version=(1, 7))
-        with pytest.raises(UnknownWorkerError):
-            server.push("nobody", 0, g, version=(1, 1))
-        stats = server.stats()
-        assert stats["version"] == (1, 1) and stats["applied"] == 1 and stats["rejected"] == 2
-    finally:
-        server.close()
+def test_cross_process_push_is_all_or_nothing(client, server):
+    server.register("a")
+    g = {"w": np.ones(3), "b": np.ones(1)}
+    server.push("a", 0, g, version=(0, 0))
+    with pytest.raises(PushRejected, match="version 7"):     # only shard 'b' refuses
+        server.push("a", 1, g, version=(1, 7))
+    with pytest.raises(UnknownWorkerError):
+        server.push("nobody", 0, g, version=(1, 1))
+    stats = server.stats()
+    assert stats["version"] == (1, 1) and stats["applied"] == 1 and stats["rejected"] == 2
 
 
-def test_calls_from_a_thread_running_an_event_loop(client):
-    server = _server(client)
-    try:
-        server.register("a")
+def test_calls_from_a_thread_running_an_event_loop(client, server):
+    server.register("a")
 
-        async def inside():           # a notebook's situation: a loop runs in this thread
-            r = server.push("a", 0, {"w": np.full(3, 2.0), "b": np.ones(1)}, version=(0, 0),
-                            pull=True)
-            return r["version"], r["params"]
+    async def inside():           # a notebook's situation: a loop runs in this thread
+        r = server.push("a", 0, {"w": np.full(3, 2.0), "b": np.ones(1)}, version=(0, 0),
+                        pull=True)
+        return r["version"], r["params"]
 
-        version, params = asyncio.run(inside())
-        assert version == (1, 1)
-        np.testing.assert_array_equal(params["w"], -2 * np.ones(3))
-        np.testing.assert_array_equal(params["b"], -np.ones(1))
-    finally:
-        server.close()
+    version, params = asyncio.run(inside())
+    assert version == (1, 1)
+    np.testing.assert_array_equal(params["w"], -2 * np.ones(3))
+    np.testing.assert_array_equal(params["b"], -np.ones(1))
 
 
 def test_released_shards_raise_shard_lost_within_the_timeout(client):

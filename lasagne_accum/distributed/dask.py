@@ -206,23 +206,24 @@ class ShardActor:
         except (PushRejected, RoundFailedError) as exc:
             return False, exc
 
+    @staticmethod
+    def _merged(calls, results, infos):
+        """Each push result, replaced by its round's result (`infos`, by shard) where it has one."""
+        return [r if name not in infos else dict(infos[name], duplicate=r["duplicate"])
+                for (name, _), r in zip(calls, results)]
+
     def wait_here(self, calls, pushed, pull=False, timeout=None):
         """In the caller's thread: each sync round of a :meth:`_push` result, blocking on the
         shard's condition; ``(True, [round result])`` or ``(False, exception)``."""
         ok, results = pushed
         if not ok or self.options.mode != "sync":
             return pushed
-        out = []
         try:
-            for (name, _), r in zip(calls, results):
-                if r.get("round") is None:
-                    out.append(r)
-                    continue
-                info = self._shards[name].wait_round(r["round"], timeout=timeout, pull=pull)
-                out.append(dict(info, duplicate=r["duplicate"]))
+            infos = {name: self._shards[name].wait_round(r["round"], timeout=timeout, pull=pull)
+                     for (name, _), r in zip(calls, results) if r.get("round") is not None}
         except (RoundFailedError, ServerTimeoutError) as exc:
             return False, exc
-        return True, out
+        return True, self._merged(calls, results, infos)
 
     async def push_many(self, calls, pull=False, wait=True, timeout=None):
         """Push to this process's shards atomically; in sync mode with `wait`, wait for the rounds.
@@ -232,17 +233,14 @@ class ShardActor:
         ok, results = self._push(calls, pull)
         if not ok or self.options.mode != "sync" or not wait:
             return ok, results
-        out = []
+        infos = {}
         try:
             for (name, _), r in zip(calls, results):
-                if r.get("round") is None:
-                    out.append(r)
-                    continue
-                info = await self.wait_round(name, r["round"], pull, timeout)
-                out.append(dict(info, duplicate=r["duplicate"]))
+                if r.get("round") is not None:
+                    infos[name] = await self.wait_round(name, r["round"], pull, timeout)
         except (RoundFailedError, ServerTimeoutError) as exc:
             return False, exc
-        return True, out
+        return True, self._merged(calls, results, infos)
 
     async def wait_round(self, name, round_id, pull=False, timeout=None):
         """Wait for a sync round of shard `name` to end (event-driven); its result."""
