@@ -4,9 +4,12 @@
 Three tables (Markdown), with the load average before and after:
 
 0. where a Dask push's time goes (async, 1 worker, the digits MLP): the median
-   push round trip, a no-op call to the shards of the task's own process (no
-   message) and to those of the other process (one actor message), pickling
-   the push's arrays there and back, and the compiled apply step itself.
+   push round trip, the compiled apply step, a no-op request to the shards of
+   the task's own process (no message) and to those of the other process by
+   three transports (a Dask actor call, the shard handler through the
+   worker's rpc pool and event loop, and the handler over the calling
+   thread's persisted comm, which the backend uses), and the push's arrays
+   through Dask's serialization and through one pickle, there and back.
 
 1. sync vs async, 1 vs 2 workers, local (threads) vs dask (a loopback
    LocalCluster of 2 processes): pushes per second during training (compiling
@@ -52,10 +55,10 @@ def parse_args(argv=None):
                    help="target training loss (default 0.3; quick: 0.4)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--snapshot", type=float, nargs=2, default=(0.02, 0.25),
+    p.add_argument("--snapshot", type=float, nargs=2, default=(0.02, 0.02),
                    metavar=("LOCAL", "DASK"),
-                   help="seconds between snapshots, local and dask (default 0.02 0.25: each "
-                        "snapshot is a pull, which costs more through Dask)")
+                   help="seconds between snapshots (each a pull), local and dask (default 0.02 "
+                        "0.02)")
     p.add_argument("--repeat", type=int, default=None,
                    help="runs per local configuration, median reported (default 3; quick: "
                         "1); dask runs one fewer")
@@ -89,30 +92,61 @@ def time_to_target(result, score, target):
 
 
 def _probe(server, grads, n):
-    """Inside a Dask task: medians (s) of a no-op call to the shards of this process and to
-    those of the other one, of pickling a push there and back, and of a push."""
+    """Inside a Dask task: medians (s) of the ways to reach the shards, and of a push.
+
+    A no-op request (``next_seq`` of one shard) to the shards of this process
+    (a direct call), and to those of the other process three ways: through
+    the Dask actor (the transport before), through the shard handler with
+    the worker's own rpc pool and event loop (a thread hop each way), and
+    over this thread's persisted comm (the transport now); the push's arrays
+    through Dask's per-array serialization and through one pickle, there and
+    back; and the push itself.
+    """
     import pickle
+
+    import distributed
+    from distributed.protocol import deserialize_bytes, serialize_bytelist
+
+    from lasagne_accum.distributed.dask import HANDLER
 
     wid = "probe"
     version, _ = server.register(wid)
+    worker = distributed.get_worker()
     here = [i for i, g in enumerate(server._group_of) if server._here(g) is not None]
     there = [i for i, g in enumerate(server._group_of) if server._here(g) is None]
-    local, remote, ser, push = [], [], [], []
+    g = server._group_of[there[0]]
+    name = server.shard_names[there[0]]
+    job = ("call", ("next_seq", [(name, (wid,))]))
+    payload = pickle.dumps(job, protocol=5)
+    rpc = worker.rpc(server.hosts[g])
+
+    def via_rpc():
+        return distributed.utils.sync(worker.loop, lambda: getattr(rpc, HANDLER)(
+            key=server._keys[g], payload=payload))
+
+    def dask_ser():
+        for a in grads.values():
+            deserialize_bytes(b"".join(serialize_bytelist(a)))
+
+    ways = dict(
+        here=lambda: server._call(here[:1], "next_seq", [(wid,)]),
+        actor=lambda: server._actors[g].call("next_seq", [(name, (wid,))]).result(),
+        rpc=via_rpc,
+        comm=lambda: server._remote({g: job}, "probe")[g],
+        dask_ser=dask_ser,
+        pickle=lambda: pickle.loads(pickle.dumps(grads, protocol=5)),
+    )
+    times = {k: [] for k in list(ways) + ["push"]}
     for i in range(n):
-        for idx, out in ((here, local), (there, remote)):
-            if idx:
-                t = time.perf_counter()
-                server._call(idx[:1], "next_seq", [(wid,)])
-                out.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        pickle.loads(pickle.dumps(grads, protocol=5))
-        ser.append(time.perf_counter() - t)
+        for k, fn in ways.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
         t = time.perf_counter()
         version = server.push(wid, i, grads, version=version, pull=True)["version"]
-        push.append(time.perf_counter() - t)
+        times["push"].append(time.perf_counter() - t)
     server.unregister(wid)
-    med = lambda v: float(np.median(v)) if v else float("nan")  # noqa: E731
-    return med(local), med(remote), med(ser), med(push)
+    return {k: float(np.median(v)) for k, v in times.items()}
 
 
 def apply_time(n=200):
@@ -133,16 +167,16 @@ def apply_time(n=200):
 
 
 def breakdown(client, n=200):
-    """Row 0's numbers: (push, no-op call here, no-op call there, pickling, apply), median s."""
+    """Table 0's numbers: {what: median s}, with the apply step."""
     from lasagne_accum.distributed.dask import DaskParameterServer
 
     apply_s, zero, params = apply_time(n)
     server = DaskParameterServer(client, params, adam, dict(learning_rate=1e-3), mode="async")
     try:
-        local, remote, ser, push = client.submit(_probe, server, zero, n, pure=False).result()
+        parts = client.submit(_probe, server, zero, n, pure=False).result()
     finally:
         server.close()
-    return push, local, remote, ser, apply_s
+    return dict(parts, apply=apply_s)
 
 
 def run(args, X, y, score, backend, mode, workers, client=None, accumulate=1, epochs=None,
@@ -196,15 +230,21 @@ def main(argv=None):
     print(f"\nLoad average (1, 5, 15 min) before: {', '.join(f'{v:.2f}' for v in load_before)}; "
           f"after: {', '.join(f'{v:.2f}' for v in load_after)} ({os.cpu_count()} CPUs)")
     if parts is not None:
-        push, local, remote, ser, apply_s = parts
         print("\nWhere a Dask push goes (async, 1 worker, from a task in a process holding "
-              "half the shards; medians of 200):\n")
-        print("| push round trip (pull=True) | no-op call, shards of this process | no-op "
-              "call, shards of the other process | pickle the push there and back | apply "
-              "step (all shards, compiled) | push - apply |")
-        print("|---|---|---|---|---|---|")
-        print(f"| {push * 1e3:.2f} ms | {local * 1e3:.2f} ms | {remote * 1e3:.2f} ms | "
-              f"{ser * 1e3:.3f} ms | {apply_s * 1e3:.3f} ms | {(push - apply_s) * 1e3:.2f} ms |")
+              "half the shards; medians of 200, ms):\n")
+        print("| what | ms |")
+        print("|---|---|")
+        for key, what in (
+                ("push", "push round trip (pull=True, both processes)"),
+                ("apply", "apply step (all shards, compiled)"),
+                ("here", "no-op request, shards of this process (direct call)"),
+                ("actor", "no-op request, other process: Dask actor call (before)"),
+                ("rpc", "no-op request, other process: handler via the worker's rpc and loop"),
+                ("comm", "no-op request, other process: handler over this thread's comm (now)"),
+                ("dask_ser", "the push's arrays through Dask's serialize, there and back"),
+                ("pickle", "the push's arrays pickled (protocol 5), there and back")):
+            print(f"| {what} | {parts[key] * 1e3:.3f} |")
+        print(f"| push - apply | {(parts['push'] - parts['apply']) * 1e3:.3f} |")
     print(f"\nDigits MLP 64-64-10 (float32), batch {args.batch_size}, Adam lr {args.lr}, "
           f"{args.epochs} epochs split over the workers; target training loss {args.target}.\n")
     print("| backend | mode | workers | pushes/s | vs 1 worker | median push ms | optimizer "

@@ -1,24 +1,38 @@
-"""The Dask backend: server shards as Dask actors, workers as Dask tasks.
+"""The Dask backend: server shards held by Dask actors, workers as Dask tasks.
 
 The server's shards are placed round-robin on the cluster's workers; the
 shards of one worker live in one Dask actor (``client.submit(ShardActor,
-..., actor=True)``), so updates of shards on different workers run in
-different processes while each shard's updates are serialized by its lock,
-and a push costs one message per process. Each trainer is a Dask task that
-compiles its own gradient function and talks to the actors directly.
+..., actor=True)``), which places them, keeps them alive and releases them.
+Updates of shards in different processes run in parallel; each shard's
+updates are serialized by its lock.
+
+Calls do not go through the actor machinery (two thread hops on each side
+and Dask's per-array serialization: about 2 ms per call on loopback).
+Each shard process serves a Dask comm handler, ``"lasagne_accum_shards"``,
+installed on its ``distributed.Worker`` when the actor starts; a trainer
+talks to it over one persisted Dask comm per (thread, process), driven by a
+private event loop in the trainer's own thread, so a call costs one message
+each way and no thread hop. The call and its reply travel as one pickled
+buffer (protocol 5: the gradient arrays are copied as raw bytes, no
+per-array frames). A push to shards in several processes goes to all of
+them at once. The shards of the caller's own process are called directly,
+without a message.
 
 A push to shards in several processes is checked on all of them before it is
-applied anywhere (one extra message, skipped in async mode when every version
-in the push is one this client has already seen). Waiting for a sync round
-is event-driven: the shard wakes the waiting coroutine when the round ends.
-Every call to an actor is bounded by the server's ``wait_timeout``: a lost
-process becomes :class:`~lasagne_accum.distributed.checks.ShardLostError`.
+applied anywhere (one extra message), unless every shard must take the same
+decision on it: versions this client has already seen from every shard, and
+in sync mode no ``round_timeout`` (see ``DaskParameterServer._may_diverge``). Waiting for a sync round
+is event-driven: the shard wakes the waiting coroutine (remote callers) or
+thread (callers in its own process) when the round ends. Every call is
+bounded by the server's ``wait_timeout``: a lost process becomes
+:class:`~lasagne_accum.distributed.checks.ShardLostError`.
 
 Without an address, :func:`local_cluster` starts a ``LocalCluster`` of
 processes bound to 127.0.0.1 (scheduler, workers, nannies and the scheduler's
 HTTP endpoint all on loopback, random ports, no dashboard) and closes it on
 exit. With an address, the client connects to your scheduler; pass
-``security=distributed.security.Security(...)`` to use TLS.
+``security=distributed.security.Security(...)`` to use TLS (the shard comms
+use the same security).
 
 Importing this module does not import ``distributed``; the functions that
 need it do.
@@ -28,6 +42,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
+import pickle
+import threading
 import time
 import uuid
 
@@ -42,6 +59,8 @@ from .worker import Worker, raise_worker_errors, worker_lists
 __all__ = ["DaskParameterServer", "ShardActor", "local_cluster", "connect", "run_dask"]
 
 _GRACE = 5.0         # seconds added to wait_timeout for the message itself
+_RECONNECT = 2.0     # seconds to reconnect a persisted comm that was found closed
+HANDLER = "lasagne_accum_shards"      # the comm handler's name on the shard processes
 SAME_PROCESS_SHORTCUT = True   # a task calls the shards of its own process without a message
 
 
@@ -55,16 +74,54 @@ def _require_distributed():
     return distributed
 
 
+class _Gone(Exception):
+    """The shard process answered, but holds no shards under that key (released)."""
+
+
+# ---------------------------------------------------------------- the shard process's side
+
+
+def install_handler(worker):
+    """Serve :data:`HANDLER` on `worker` (a ``distributed.Worker``); idempotent."""
+    if HANDLER in worker.handlers:
+        return
+
+    async def lasagne_accum_shards(key=None, payload=None):
+        return await _serve(worker, key, payload)
+
+    worker.handlers[HANDLER] = lasagne_accum_shards
+
+
+async def _serve(worker, key, payload):
+    """One request: `payload` is the pickled ``(method, args)``; the reply, ``(ok, value)``."""
+    try:
+        actor = worker.state.actors.get(key)
+        if actor is None:
+            raise _Gone(f"no shards under {key!r} on {worker.address} (released, or the "
+                        "process was restarted)")
+        method, args = pickle.loads(payload)
+        out = (True, await actor.serve(method, args))
+    except Exception as exc:
+        out = (False, exc)
+    try:
+        return pickle.dumps(out, protocol=5)
+    except Exception as exc:          # an unpicklable result or exception: say what it was
+        return pickle.dumps((False, RuntimeError(f"unpicklable reply: {out!r:.300} ({exc})")),
+                            protocol=5)
+
+
 class ShardActor:
     """The shards placed on one Dask worker, as one Dask actor.
 
-    Each method takes a list of ``(shard name, args)`` and returns a list of
-    ``(ok, result or exception)``, so that one message per process serves
-    every shard there. Shard work runs on one thread of the actor's own;
-    :meth:`push_many` and :meth:`wait_round` are coroutines on the worker's
-    event loop, so waiting for a sync round never blocks the pushes that
-    close it, and they wait on an event that the shard sets when a round
-    ends (no polling).
+    Requests arrive through :data:`HANDLER` (:meth:`serve`, on the worker's
+    event loop) or, from a task in the same process, directly
+    (:meth:`serve_here`, in the caller's thread). Each request covers every
+    shard of this process that a call needs: ``("call", (method, [(shard
+    name, args)]))`` returns ``[(ok, result or exception)]``; ``("check",
+    (calls,))`` and ``("push", (calls, pull, wait))`` return ``(True,
+    result)`` or ``(False, exception)``; ``("pid", ())`` the process id.
+    Waiting for a sync round never blocks the event loop: the coroutine
+    waits on an event that the shard sets when a round ends (no polling).
     """
 
     def __init__(self, shard_specs, options):
@@ -74,30 +131,19 @@ class ShardActor:
             shard = Shard(name, params, update_rule, rule_kwargs, options)
             shard.book.listeners.append(lambda rid, name=name: self._round_ended(name))
             self._shards[name] = shard
-        self._pool = None
         self._loop = None
         self._events = {name: None for name in self._shards}
+        try:
+            worker = _require_distributed().get_worker()
+        except ValueError:            # built outside a Dask worker (a test): no handler
+            return
+        self._loop = worker.loop.asyncio_loop
+        install_handler(worker)
 
     def pid(self):
-        import os
         return os.getpid()
 
-    # ------------------------------------------------------------ threads and events
-
-    def _executor(self):
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shards")
-        return self._pool
-
-    async def _run(self, fn, *args):
-        """Run shard work on the actor's thread, so that the event loop stays responsive.
-
-        (Running small shards on the loop itself, without the thread hop, was
-        measured: no faster on the digits MLP, within the noise of a loaded
-        machine.)
-        """
-        self._loop = asyncio.get_running_loop()
-        return await self._loop.run_in_executor(self._executor(), fn, *args)
+    # ------------------------------------------------------------ events
 
     def _event(self, name):
         if self._events[name] is None:
@@ -105,7 +151,7 @@ class ShardActor:
         return self._events[name]
 
     def _round_ended(self, name):          # called with the shard's lock held, any thread
-        if self._loop is not None:
+        if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._wake, name)
 
     def _wake(self, name):
@@ -113,7 +159,26 @@ class ShardActor:
         if event is not None:
             event.set()
 
-    # ------------------------------------------------------------ calls
+    # ------------------------------------------------------------ requests
+
+    async def serve(self, method, args):
+        """One request, on the event loop (the shard work itself is short: run in place)."""
+        if method == "push":
+            return await self.push_many(*args)
+        return self.serve_here(method, args)
+
+    def serve_here(self, method, args):
+        """One request in the caller's thread; a sync push does not wait here (:meth:`wait_here`)."""
+        if method == "call":
+            return self.call(*args)
+        if method == "check":
+            return self._check(*args)
+        if method == "push":
+            calls, pull = args[:2]
+            return self._push(calls, pull)
+        if method == "pid":
+            return self.pid()
+        raise ValueError(f"unknown request {method!r}")
 
     def call(self, method, calls):
         out = []
@@ -123,10 +188,6 @@ class ShardActor:
             except Exception as exc:      # sent back, raised by the caller
                 out.append((False, exc))
         return out
-
-    async def call_async(self, method, calls):
-        """:meth:`call` on the shards' thread, from the event loop."""
-        return await self._run(self.call, method, calls)
 
     def _check(self, calls):
         shards = [self._shards[name] for name, _ in calls]
@@ -138,10 +199,6 @@ class ShardActor:
             return False, exc
         return True, None
 
-    async def check_many(self, calls):
-        """Would these pushes be taken? ``(True, None)`` or ``(False, exception)``; changes nothing."""
-        return await self._run(self._check, calls)
-
     def _push(self, calls, pull):
         shards = [self._shards[name] for name, _ in calls]
         try:
@@ -149,25 +206,41 @@ class ShardActor:
         except (PushRejected, RoundFailedError) as exc:
             return False, exc
 
+    @staticmethod
+    def _merged(calls, results, infos):
+        """Each push result, replaced by its round's result (`infos`, by shard) where it has one."""
+        return [r if name not in infos else dict(infos[name], duplicate=r["duplicate"])
+                for (name, _), r in zip(calls, results)]
+
+    def wait_here(self, calls, pushed, pull=False, timeout=None):
+        """In the caller's thread: each sync round of a :meth:`_push` result, blocking on the
+        shard's condition; ``(True, [round result])`` or ``(False, exception)``."""
+        ok, results = pushed
+        if not ok or self.options.mode != "sync":
+            return pushed
+        try:
+            infos = {name: self._shards[name].wait_round(r["round"], timeout=timeout, pull=pull)
+                     for (name, _), r in zip(calls, results) if r.get("round") is not None}
+        except (RoundFailedError, ServerTimeoutError) as exc:
+            return False, exc
+        return True, self._merged(calls, results, infos)
+
     async def push_many(self, calls, pull=False, wait=True, timeout=None):
         """Push to this process's shards atomically; in sync mode with `wait`, wait for the rounds.
 
         Returns ``(True, [per-shard result])`` or ``(False, exception)``.
         """
-        ok, results = await self._run(self._push, calls, pull)
+        ok, results = self._push(calls, pull)
         if not ok or self.options.mode != "sync" or not wait:
             return ok, results
-        out = []
+        infos = {}
         try:
             for (name, _), r in zip(calls, results):
-                if r.get("round") is None:
-                    out.append(r)
-                    continue
-                info = await self.wait_round(name, r["round"], pull, timeout)
-                out.append(dict(info, duplicate=r["duplicate"]))
+                if r.get("round") is not None:
+                    infos[name] = await self.wait_round(name, r["round"], pull, timeout)
         except (RoundFailedError, ServerTimeoutError) as exc:
             return False, exc
-        return True, out
+        return True, self._merged(calls, results, infos)
 
     async def wait_round(self, name, round_id, pull=False, timeout=None):
         """Wait for a sync round of shard `name` to end (event-driven); its result."""
@@ -177,7 +250,10 @@ class ShardActor:
         end = time.monotonic() + wait_for
         while True:
             event = self._event(name)             # taken before the check: no lost wake-up
-            result = shard.wait_round(round_id, timeout=0, blocking=False, pull=pull)
+            # the lock is only ever held for a step or a copy: wait for it (with
+            # blocking=False a busy lock read as an open round, and the round's end,
+            # already signalled, was missed until the timeout)
+            result = shard.wait_round(round_id, timeout=0, pull=pull)
             if result is not None:
                 return result
             left = end - time.monotonic()
@@ -189,16 +265,51 @@ class ShardActor:
                     "round_timeout= to drop workers that stop pushing)")
             deadline = shard.book.deadline()
             step = left if deadline is None else min(left, deadline + 1e-3)
-            if shard.lock.locked():
-                step = min(step, 0.005)           # the lock was busy: look again soon
             try:
                 await asyncio.wait_for(event.wait(), max(step, 1e-4))
             except asyncio.TimeoutError:
                 pass
 
 
+# ---------------------------------------------------------------- the caller's side
+
+
+class _Links(threading.local):
+    """This thread's private event loop and its persisted comms, ``{address: comm}``."""
+
+    loop = None
+
+    def __init__(self):
+        self.comms = {}
+
+    def event_loop(self):
+        if self.loop is None or self.loop.is_closed():
+            self.loop = asyncio.new_event_loop()
+            self.comms = {}
+        return self.loop
+
+    def drop(self, addresses=None):
+        """Close this thread's comms (to `addresses`, default all)."""
+        for address in list(self.comms if addresses is None else addresses):
+            comm = self.comms.pop(address, None)
+            if comm is not None:
+                comm.abort()
+
+
+_links = _Links()
+_helper = None
+
+
+def _helper_thread():
+    """One thread for calls from a thread that already runs an event loop (a notebook)."""
+    global _helper
+    if _helper is None:
+        _helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lasagne-dask")
+    return _helper
+
+
 class DaskParameterServer(BaseServer):
-    """The parameter server with its shards in Dask actors.
+    """The parameter server with its shards held by Dask actors.
 
     Same methods and options as
     :class:`~lasagne_accum.distributed.server.ParameterServer`, plus:
@@ -215,10 +326,10 @@ class DaskParameterServer(BaseServer):
         Worker addresses to place shards on (round-robin); default all.
 
     Shards are placed round-robin on the workers (``placement``); the shards
-    of one worker live in one actor (one message per process and call).
-    The object pickles to its actor handles, so tasks can take it as an
-    argument and push directly to the shards. :meth:`close` releases the
-    actors.
+    of one worker live in one actor and answer one message per process and
+    call, through the comm handler :data:`HANDLER`. The object pickles to
+    its actor keys and addresses, so tasks can take it as an argument and
+    push directly to the shards. :meth:`close` releases the actors.
     """
 
     def __init__(self, client, params, update_rule, rule_kwargs=None, *, shards=None,
@@ -235,6 +346,7 @@ class DaskParameterServer(BaseServer):
         self.hosts = list(dict.fromkeys(self.placement.values()))
         self._group_of = [self.hosts.index(self.placement[s]) for s in self.shard_names]
         self._known = [0] * len(self.shard_names)    # versions this client has seen
+        self._client_args = dict(client.connection_args)
         tag = uuid.uuid4().hex[:8]
         self._futures = []
         for g, address in enumerate(self.hosts):
@@ -249,11 +361,15 @@ class DaskParameterServer(BaseServer):
         except BaseException:
             self.close()
             raise
+        self._keys = [a.key for a in self._actors]
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_futures"] = []
+        state["_client_args"] = None         # SSL contexts do not pickle; a task uses its worker's
         return state
+
+    # ------------------------------------------------------------ transport
 
     def _groups(self, indices, args_list):
         groups = {}
@@ -272,67 +388,163 @@ class DaskParameterServer(BaseServer):
             return None
         if worker.address != self.hosts[g]:
             return None
-        return worker.state.actors.get(self._actors[g].key)
+        return worker.state.actors.get(self._keys[g])
 
-    def _invoke(self, g, method, *args):
-        """Start ``actor.method(*args)`` on group `g`'s actor; ShardLostError if it is gone.
+    def _names(self, g):
+        return ", ".join(repr(s) for s, h in self.placement.items() if h == self.hosts[g])
 
-        From a task in the actor's own process the coroutine is scheduled on
-        that process's event loop directly: no message to itself, no
-        serialization (the arrays were copied when the push was checked).
-        """
-        actor = self._here(g)
-        if actor is not None:
-            fn = getattr(actor, method)
-            if asyncio.iscoroutinefunction(fn):
-                loop = _require_distributed().get_worker().loop.asyncio_loop
-                return asyncio.run_coroutine_threadsafe(fn(*args), loop)
-            done = concurrent.futures.Future()
-            done.set_result(fn(*args))
-            return done
+    def _lost(self, g, what, exc, timeout):
+        """The ShardLostError for a failed exchange with group `g`'s process."""
+        if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+            return ShardLostError(
+                f"{what}: shard(s) {self._names(g)} on {self.hosts[g]} did not answer within "
+                f"{timeout:g} s ({type(exc).__name__}); if that process died, their state since "
+                "the last checkpoint is lost: restart from a checkpoint "
+                "(train(..., checkpoint_to=..., checkpoint_every=...), resume_from=)")
+        error = ShardLostError(
+            f"{what}: the process holding shard(s) {self._names(g)} on {self.hosts[g]} is lost "
+            f"({type(exc).__name__}: {exc}); their state since the last checkpoint is lost: "
+            "restart from a checkpoint")
+        error.__cause__ = exc
+        return error
+
+    def _connection_args(self):
+        distributed = _require_distributed()
         try:
-            return getattr(self._actors[g], method)(*args)
-        except (OSError, EOFError, RuntimeError, ValueError) as exc:
-            names = [s for s, h in self.placement.items() if h == self.hosts[g]]
-            raise ShardLostError(
-                f"{method}: the process holding shard(s) {', '.join(map(repr, names))} on "
-                f"{self.hosts[g]} is lost ({type(exc).__name__}: {exc}); their state since "
-                "the last checkpoint is lost: restart from a checkpoint") from exc
+            return distributed.get_worker().connection_args
+        except ValueError:
+            return self._client_args or {}
 
-    def _result(self, g, future, what, extra=0.0):
-        """`future`'s result within the timeout; ShardLostError if the process is gone."""
-        timeout = self.options.wait_timeout + _GRACE + extra
-        names = [s for s, h in self.placement.items() if h == self.hosts[g]]
+    async def _send(self, g, payload, timeout):
+        """Write one request to group `g`'s process on this thread's comm; ``(comm, reused)``."""
+        distributed = _require_distributed()
+        address = self.hosts[g]
+        comm = _links.comms.get(address)
+        reused = comm is not None and not comm.closed()
+        if not reused:
+            comm = await distributed.comm.connect(address, timeout=timeout,
+                                                  **self._connection_args())
+            _links.comms[address] = comm
         try:
-            return future.result(timeout=timeout)
-        except (PushRejected, RoundFailedError, ServerTimeoutError):
+            await comm.write({"op": HANDLER, "key": self._keys[g], "payload": payload})
+        except (distributed.comm.CommClosedError, OSError):
+            _links.drop([address])
+            if reused:                 # closed while idle: once more on a new comm
+                return await self._send(g, payload, min(timeout, _RECONNECT))
             raise
-        except (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError) as exc:
-            raise ShardLostError(
-                f"{what}: shard(s) {', '.join(map(repr, names))} on {self.hosts[g]} did not "
-                f"answer within {timeout:g} s ({type(exc).__name__}); if that process died, "
-                "their state since the last checkpoint is lost: restart from a checkpoint "
-                "(train(..., checkpoint_to=..., checkpoint_every=...), resume_from=)") from None
-        except (OSError, EOFError, RuntimeError, ValueError) as exc:
-            distributed = _require_distributed()
-            lost = (OSError, EOFError, distributed.comm.CommClosedError)
-            if isinstance(exc, lost) or "actor" in str(exc).lower() or \
-                    type(exc).__name__ in ("KilledWorker", "FutureCancelledError"):
-                raise ShardLostError(
-                    f"{what}: the process holding shard(s) {', '.join(map(repr, names))} on "
-                    f"{self.hosts[g]} is lost ({type(exc).__name__}: {exc}); their state "
-                    "since the last checkpoint is lost: restart from a checkpoint") from exc
+        except BaseException:          # cancelled (a timeout): the comm is out of step
+            _links.drop([address])
             raise
+        return comm, reused
 
-    def _gather(self, n, groups, futures, what, extra=0.0):
-        results, error = [None] * n, None
-        for g, items in groups.items():
+    async def _receive(self, g, payload, sent, timeout):
+        """The reply to a request sent by :meth:`_send`; its value, or raises its exception."""
+        distributed = _require_distributed()
+        address = self.hosts[g]
+        comm, reused = sent
+        try:
             try:
-                outs = self._result(g, futures[g], what, extra)
+                reply = await comm.read()
+            except (distributed.comm.CommClosedError, OSError):
+                _links.drop([address])
+                if not reused:
+                    raise
+                # closed while idle: send once more on a new comm (a push repeated
+                # with the same (worker, seq) is not applied twice)
+                comm, _ = await self._send(g, payload, min(timeout, _RECONNECT))
+                reply = await comm.read()
+        except BaseException:
+            _links.drop([address])
+            raise
+        if not isinstance(reply, bytes):        # Dask's own error message
+            raise RuntimeError(f"shard process {address}: {reply!r:.500}")
+        ok, value = pickle.loads(reply)
+        if not ok:
+            raise value
+        return value
+
+    def _remote(self, jobs, what, extra=0.0, between=None):
+        """Run ``{g: (method, args)}`` on other processes, all at once; ``{g: result or exc}``.
+
+        Every request is written before `between` (a callable, the work on
+        this process's own shards) runs; the replies are read after it.
+        """
+        if not jobs:
+            if between is not None:
+                between()
+            return {}
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:                     # this thread runs an event loop: use a thread that does not
+            return _helper_thread().submit(self._remote, jobs, what, extra, between).result()
+        distributed = _require_distributed()
+        lost = (_Gone, OSError, EOFError, asyncio.TimeoutError, TimeoutError,
+                distributed.comm.CommClosedError)
+        timeout = self.options.wait_timeout + _GRACE + extra
+        end = time.monotonic() + timeout
+        loop = _links.event_loop()
+        payloads = {g: pickle.dumps(job, protocol=5) for g, job in jobs.items()}
+        out = {}
+
+        async def guard(g, make):
+            try:
+                return await asyncio.wait_for(make(), max(1e-3, end - time.monotonic()))
+            except lost as exc:
+                out[g] = self._lost(g, what, exc, timeout)
             except Exception as exc:
-                error = error or exc
+                out[g] = exc
+
+        async def every(make):
+            if len(jobs) == 1:
+                g = next(iter(jobs))
+                return {g: await guard(g, lambda: make(g))}
+            done = await asyncio.gather(*(guard(g, lambda g=g: make(g)) for g in jobs))
+            return dict(zip(jobs, done))
+
+        sent = loop.run_until_complete(every(lambda g: self._send(g, payloads[g], timeout)))
+        try:
+            if between is not None:
+                between()
+        finally:
+            todo = {g: v for g, v in sent.items() if g not in out}
+            if todo:
+                got = loop.run_until_complete(every(
+                    lambda g: self._receive(g, payloads[g], todo[g], timeout)
+                    if g in todo else asyncio.sleep(0)))
+                out.update({g: v for g, v in got.items() if g in todo and g not in out})
+        return out
+
+    def _run(self, jobs, what, extra=0.0):
+        """``{g: (method, args)}``: the shards of this process directly, the others by message."""
+        out = {}
+        here = {g: self._here(g) for g in jobs}
+
+        def local():
+            for g, actor in here.items():
+                if actor is not None:
+                    try:
+                        out[g] = actor.serve_here(*jobs[g])
+                    except Exception as exc:
+                        out[g] = exc
+
+        out.update(self._remote({g: job for g, job in jobs.items() if here[g] is None}, what,
+                                extra, between=local))
+        return out
+
+    # ------------------------------------------------------------ BaseServer's backend
+
+    def _call(self, indices, method, args_list):
+        groups = self._groups(indices, args_list)
+        outs = self._run({g: ("call", (method, [(n, a) for _, n, a in items]))
+                          for g, items in groups.items()}, method)
+        results, error = [None] * len(indices), None
+        for g, items in groups.items():
+            if isinstance(outs[g], Exception):
+                error = error or outs[g]
                 continue
-            for (pos, _, _), (ok, value) in zip(items, outs):
+            for (pos, _, _), (ok, value) in zip(items, outs[g]):
                 if ok:
                     results[pos] = value
                 else:
@@ -341,33 +553,45 @@ class DaskParameterServer(BaseServer):
             raise error
         return results
 
-    def _call(self, indices, method, args_list):
-        groups = self._groups(indices, args_list)
-        futures = {g: self._invoke(g, "call_async", method, [(n, a) for _, n, a in items])
-                   for g, items in groups.items()}
-        return self._gather(len(indices), groups, futures, method)
-
     def _push(self, indices, calls, pull, wait):
         groups = self._groups(indices, calls)
-        need_check = len(groups) > 1 and (self.mode == "sync" or any(
-            c[4] > self._known[i] for i, c in zip(indices, calls)))
+        per = {g: [(n, c) for _, n, c in items] for g, items in groups.items()}
+        need_check = len(groups) > 1 and self._may_diverge(indices, calls)
         if need_check:          # all or nothing across processes: check everywhere first
-            futures = {g: self._invoke(g, "check_many",
-                                       [(n, (c[0], c[1], None, None, c[4])) for _, n, c in items])
-                       for g, items in groups.items()}
-            for g, future in futures.items():
-                ok, exc = self._result(g, future, "push (check)")
+            outs = self._run({g: ("check", ([(n, (c[0], c[1], None, None, c[4]))
+                                             for n, c in per[g]],))
+                              for g in groups}, "push (check)")
+            for g in groups:
+                if isinstance(outs[g], Exception):
+                    raise outs[g]
+                ok, exc = outs[g]
                 if not ok:
                     raise exc
-        futures = {g: self._invoke(g, "push_many", [(n, c) for _, n, c in items], pull, wait)
-                   for g, items in groups.items()}
+        # the requests to other processes are written first (there they wait for their
+        # rounds); then this process's shards are pushed, without waiting for their
+        # rounds, while the others work; then the replies; then this process's rounds
+        here = {g: self._here(g) for g in groups}
+        outs = {}
+
+        def local():
+            for g, actor in here.items():
+                if actor is not None:
+                    outs[g] = actor.serve_here("push", (per[g], pull))
+
+        outs.update(self._remote({g: ("push", (per[g], pull, wait)) for g in groups
+                                  if here[g] is None}, "push", extra=self.options.wait_timeout,
+                                 between=local))
+        failed = any(isinstance(v, Exception) or not v[0] for v in outs.values())
+        if self.mode == "sync" and wait and not failed:
+            for g, actor in here.items():
+                if actor is not None:
+                    outs[g] = actor.wait_here(per[g], outs[g], pull)
         results, error = [None] * len(indices), None
         for g, items in groups.items():
-            try:
-                ok, value = self._result(g, futures[g], "push", extra=self.options.wait_timeout)
-            except Exception as exc:
-                error = error or exc
+            if isinstance(outs[g], Exception):
+                error = error or outs[g]
                 continue
+            ok, value = outs[g]
             if not ok:
                 error = error or value
                 continue
@@ -380,6 +604,21 @@ class DaskParameterServer(BaseServer):
                 self._known[i] = max(self._known[i], r["version"])
         return results
 
+    def _may_diverge(self, indices, calls):
+        """Could the shards of different processes take different decisions on this push?
+
+        Shards refuse a push for reasons of their own state: a version they
+        have not reached, or (sync) a round that went on without the worker
+        (``round_timeout`` drops it from some shards' rounds, maybe not yet
+        from others'). Pushes of versions this client has already seen from
+        every shard (async: at most; sync: exactly, with no round timeout)
+        are refused by all shards or by none: no check is needed.
+        """
+        if self.mode == "sync":
+            return self.options.round_timeout is not None or any(
+                c[4] != self._known[i] for i, c in zip(indices, calls))
+        return any(c[4] > self._known[i] for i, c in zip(indices, calls))
+
     def _note_rejected(self):
         try:
             self._call([0], "note_rejected", [()])
@@ -388,14 +627,22 @@ class DaskParameterServer(BaseServer):
 
     def actor_pids(self):
         """``{worker address: process id}`` of the processes holding shards."""
-        return {self.hosts[g]: self._result(g, self._invoke(g, "pid"), "pid")
-                for g in range(len(self._actors))}
+        outs = self._run({g: ("pid", ()) for g in range(len(self.hosts))}, "pid")
+        for value in outs.values():
+            if isinstance(value, Exception):
+                raise value
+        return {self.hosts[g]: pid for g, pid in outs.items()}
 
     def close(self):
         """Release the shard actors (their state is lost: :meth:`save` first)."""
+        hosts = getattr(self, "hosts", [])
+        _links.drop([h for h in hosts if h in _links.comms])
+        if _helper is not None:
+            _helper.submit(_links.drop, [h for h in hosts]).result()
         for f in getattr(self, "_futures", []):
             f.release()
         self._futures = []
+        self._actors = []             # the handles hold the actors' keys too
 
 
 @contextlib.contextmanager
@@ -461,7 +708,10 @@ def _worker_task(server, worker_id, build_model, batches, accumulate, model_kwar
         server.unregister(worker_id)      # let sync rounds go on without it
         raise
     start = None if barrier is None else (lambda: barrier(worker_id))
-    return worker.run(batches, start=start)
+    try:
+        return worker.run(batches, start=start)
+    finally:
+        _links.drop([h for h in server.hosts if h in _links.comms])
 
 
 def _trainer_addresses(client, server, n):
