@@ -40,14 +40,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 
 HERE = os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from common import (  # noqa: E402  (no heavy imports)
-    Worker, batch, have_module, interleaved_rounds, load_average, median, mlp, per_call,
+    batch, have_module, load_average, median, mlp, per_call, run_workers, worker_log,
     pin_cpus, serve, worker_io,
 )
 
@@ -232,26 +231,13 @@ def parent_main(args):
     print(load_average())
     peers = [p for p, mod in (("torch", "torch"), ("optax", "optax")) if have_module(mod)]
     missing = sorted({"torch", "optax"} - set(peers))
-    log = tempfile.NamedTemporaryFile("w+", prefix="peers-bench-", suffix=".log", delete=False)
     names = ["ours", "ours-numba", *peers]
-    workers = []
-    for t in args.thread_counts:
-        for name in names:
-            w = Worker(HERE, name, ["--every", str(args.every), "--windows", str(args.windows)],
-                       threads=t, log=log)
-            w.name = f"{name}@{t}"
-            workers.append(w)
-    try:
-        meta = {w.name: w.ready() for w in workers}
-        samples = interleaved_rounds(workers, args.rounds, args.max_seconds)
-    except RuntimeError:
-        log.flush()
-        log.seek(0)
-        sys.stderr.write(log.read()[-4000:])
-        raise
-    finally:
-        for w in workers:
-            w.close()
+    log = worker_log("peers-bench")
+    meta, samples = run_workers(
+        [dict(script=HERE, name=name, threads=t, label=f"{name}@{t}",
+              args=["--every", str(args.every), "--windows", str(args.windows)])
+         for t in args.thread_counts for name in names],
+        args.rounds, args.max_seconds, log=log)
     med = {k: median(v) * 1e3 for k, v in samples.items()}
     rounds = min(len(v) for v in samples.values())
 

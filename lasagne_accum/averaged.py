@@ -8,11 +8,14 @@ moments, timesteps) advances only on those stepping calls.
 Graph choices (measured in ``benchmarks/single_function.py``):
 
 * The buffer is reset *lazily*: instead of writing zeros after a step, the
-  first call of a window computes ``accu := select(fresh, 0, accu) + g``,
-  which PyTensor fuses into the gradient's matrix product (``Gemm`` in place on
-  the selected buffer). A select rather than the former ``0 * accu`` so that a
-  NaN left in the buffer by a bad window is not carried into the next one
-  (``0 * NaN`` is NaN).
+  first call of a window computes ``accu := select(fresh, 0, accu) + g``.
+  When the gradient is a matrix product, the rewrite
+  ``lasagne_accum_gemm_reset`` of :mod:`lasagne_accum.fast_ops` moves the
+  select onto ``Gemm``'s beta, ``gemm(accu, 1, x, y, select(fresh, 0, 1))``,
+  so the product is added into the buffer in place (C and Numba modes). A
+  select rather than the former ``0 * accu`` so that a NaN left in the buffer
+  by a bad window is not carried into the next one (``0 * NaN`` is NaN; BLAS
+  does not read the buffer when beta is 0).
 * The rule's updates sit behind one ``ifelse(keep, states, new_values)``
   (``lazy=True``, default). When the function is compiled, a rewrite of
   :mod:`lasagne_accum.fast_ops` turns it into a

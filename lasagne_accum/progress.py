@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 __all__ = ["Progress"]
 

@@ -358,7 +358,7 @@ def test_lazy_step_op_on_its_own(dtype):
 
 
 def test_lazy_step_is_c_and_numba_only():
-    jax = pytest.importorskip("jax")  # noqa: F841
+    pytest.importorskip("jax")
     W, _ = _lazy_model("float64", "CVM")
     x = pt.matrix("x")
     y = pt.matrix("y")
