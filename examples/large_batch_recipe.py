@@ -86,6 +86,8 @@ def parse_args(argv=None):
                    help="train on the first N training examples only (default: all)")
     p.add_argument("--rows", default=None,
                    help=f"comma-separated row numbers to run, 1-based (default: all {len(ROWS)})")
+    models.add_flags(p, dtype=("float64", "model precision; float64 prints the same numbers on "
+                                          "every machine (default float64)"))
     p.add_argument("--mode", type=models.mode_name, default="CVM",
                    help="PyTensor mode (CVM, NUMBA, ...; default CVM)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data split, the "
@@ -113,7 +115,8 @@ class Experiment:
     """One MLP; one compiled function per row kind; every row starts from the same state."""
 
     def __init__(self, args, n_in, steps_per_epoch):
-        self.model = models.build_mlp(n_in, n_hidden=args.hidden, seed=args.seed)
+        self.model = models.build_mlp(n_in, n_hidden=args.hidden, seed=args.seed,
+                                        dtype=args.dtype)
         m = self.model
         dtype = m.params[0].type.dtype
         self.lr = pytensor.shared(np.asarray(args.lr, dtype), name="lr")
@@ -211,7 +214,7 @@ def main(argv=None):
     out = None if args.no_plot else models.out_dir(args.out)
     if args.train_size and args.train_size < args.multiple:
         models.fail(f"--train-size must be at least batch * accumulate = {args.multiple}")
-    data, side = models.load_data_or_exit(args.seed, args.train_size)
+    data, side = models.load_data_or_exit(args.seed, args.train_size, dtype=args.dtype)
     big = args.batch * args.accumulate
     used = len(data[0]) - len(data[0]) % args.multiple
     steps_per_epoch = used // big
