@@ -41,7 +41,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
-from distributed_digits import build_model, load_digits, mlp, worker_batches  # noqa: E402
+from distributed_digits import build_model, mlp, worker_batches  # noqa: E402
+from models import load_data_or_exit  # noqa: E402
 
 from lasagne_accum import adam  # noqa: E402
 from lasagne_accum.distributed import train  # noqa: E402
@@ -190,7 +191,7 @@ def run(args, X, y, score, backend, mode, workers, client=None, accumulate=1, ep
 def main(argv=None):
     args = parse_args(argv)
     start = time.perf_counter()
-    X, y, _, _ = load_digits(0)
+    (X, y, _, _), _ = load_data_or_exit(0)
     score = scorer(X, y)
     rows = []
 
