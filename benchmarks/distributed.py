@@ -49,7 +49,7 @@ from lasagne_accum.distributed import train  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer epochs (< 90 s)")
     p.add_argument("--epochs", type=int, default=None, help="default 10 (quick: 5)")
     p.add_argument("--target", type=float, default=None,

@@ -107,7 +107,7 @@ def worker(args, proto):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--calls", type=int, default=None, help="calls of each function per round")

@@ -295,7 +295,7 @@ def parent_main(args):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="few rounds (smoke test)")
     ap.add_argument("--every", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=None)

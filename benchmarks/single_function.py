@@ -90,7 +90,7 @@ def measure(fns, data, every, rounds):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--rounds", type=int, default=None)

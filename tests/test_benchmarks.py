@@ -4,11 +4,12 @@ Timings are never asserted (the machine is shared). The fast tests check the
 harness: that no script imports another script but ``common``, that the one
 model gives the same loss in PyTensor, PyTorch and JAX as a numpy
 re-derivation, that the timing helpers call what they time as often as they
-say, and what the graph inspection reports. The slow test runs each script
-with ``--quick`` and checks that it finishes, prints the load average, and
+say, and what the graph inspection reports. The ``bench`` tests run each script
+with ``--quick`` and check that it finishes, prints the load average, and
 that the numbers of one row of its table are positive and finite (each script
-compiles its functions in fresh worker processes): deselect it with
-``-m "not slow"``.
+compiles its functions in fresh worker processes), and with ``--help``. They
+take about 5 minutes, so the suite leaves them out unless asked for with
+``-m bench`` (``.ci/run`` runs them after the suite).
 """
 
 import ast
@@ -144,6 +145,7 @@ def test_inplace_writes_names_the_ops(common):
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_benchmark_runs_quick(script):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -156,3 +158,18 @@ def test_benchmark_runs_quick(script):
     assert match, proc.stdout[-3000:]
     values = [float(v) for v in match.groups()]
     assert all(math.isfinite(v) and v > 0 for v in values), values
+
+
+@pytest.mark.slow
+@pytest.mark.bench
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_benchmark_help_shows_its_summary(script):
+    """``--help`` describes the script with its docstring's first line."""
+    path = os.path.join(BENCH, script)
+    with open(path) as f:
+        summary = ast.get_docstring(ast.parse(f.read())).split("\n")[0]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, path, "--help"], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert " ".join(summary.split()[:6]) in " ".join(proc.stdout.split())

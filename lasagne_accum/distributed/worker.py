@@ -84,7 +84,7 @@ class Worker:
     model_kwargs : dict, optional
     compile_mode : str, optional
         PyTensor mode of both functions (default:
-        :func:`lasagne_accum.training.default_modes`).
+        :func:`lasagne_accum.backends.default_modes`).
     """
 
     def __init__(
