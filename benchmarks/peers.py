@@ -46,11 +46,9 @@ HERE = os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from common import (  # noqa: E402  (no heavy imports)
-    batch, have_module, load_average, median, mlp, per_call, run_workers, worker_log,
-    pin_cpus, serve, worker_io,
+    LR, batch, have_module, load_average, median, mlp, per_call, run_workers, trainer,
+    worker_log, pin_cpus, serve, worker_io,
 )
-
-LR = 1e-3
 
 
 # --------------------------------------------------------------------------
@@ -96,12 +94,11 @@ def worker_ours(args, proto):
 
     every = args.every
     xv, yv = batch("float32")
-    (x, y), params, loss = mlp("float32")
     if args.worker == "ours":
-        trainer = la.compile_accumulation([x, y], loss, params, la.adam,
-                                          dict(learning_rate=LR), every=every)
-        acc_fn, apply_fn = trainer.accumulate_fn, trainer.apply_fn
+        _, params, _, tr = trainer("float32", every=every)
+        acc_fn, apply_fn = tr.accumulate_fn, tr.apply_fn
     else:  # the README's recipe with plain pytensor.function (PyTensor's default mode)
+        (x, y), params, loss = mlp("float32")
         acc = la.accumulate_gradients(loss, params)
         apply = acc.guard(la.adam(acc.grads, params, LR))
         apply.update(acc.reset)

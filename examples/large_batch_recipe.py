@@ -86,8 +86,7 @@ def parse_args(argv=None):
                    help="train on the first N training examples only (default: all)")
     p.add_argument("--rows", default=None,
                    help=f"comma-separated row numbers to run, 1-based (default: all {len(ROWS)})")
-    models.add_flags(p, dtype=("float64", "model precision; float64 prints the same numbers on "
-                                          "every machine (default float64)"))
+    models.add_flags(p, dtype=("float64", models.FLAGS["dtype"][1] + " (default float64)"))
     p.add_argument("--mode", type=models.mode_name, default="CVM",
                    help="PyTensor mode (CVM, NUMBA, ...; default CVM)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data split, the "

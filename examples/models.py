@@ -424,7 +424,7 @@ FLAGS = {
     "train_size": (dict(type=positive_int),
                    "use the first N training examples only (default: all)"),
     "mode": (dict(type=mode_name), "PyTensor mode of every function (CVM, NUMBA, JAX...); "
-                                   "default: lasagne_accum.training.default_modes()"),
+                                   "default: lasagne_accum.backends.default_modes()"),
     "seed": (dict(type=int), "seed of the initial parameters, the split and the order"),
     "out": ({}, "directory for the plot"),
     "no_plot": (dict(action="store_true"), "do not draw the plot"),

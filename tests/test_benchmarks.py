@@ -144,13 +144,18 @@ def test_inplace_writes_names_the_ops(common):
         "w": ["Gemm{inplace}"], "v": ["Mul(inplace)"], "u": []}
 
 
+def run_script(script, *args, timeout):
+    """Run ``benchmarks/<script> *args`` with the package importable; the process."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, os.path.join(BENCH, script), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
 @pytest.mark.slow
 @pytest.mark.bench
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_benchmark_runs_quick(script):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.join(BENCH, script), "--quick"],
-                          capture_output=True, text=True, timeout=1500, env=env, cwd=ROOT)
+    proc = run_script(script, "--quick", timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     if script != "distributed.py":
         assert "load average" in proc.stdout
@@ -168,8 +173,6 @@ def test_benchmark_help_shows_its_summary(script):
     path = os.path.join(BENCH, script)
     with open(path) as f:
         summary = ast.get_docstring(ast.parse(f.read())).split("\n")[0]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, path, "--help"], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=ROOT)
+    proc = run_script(script, "--help", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert " ".join(summary.split()[:6]) in " ".join(proc.stdout.split())

@@ -496,14 +496,14 @@ class DaskParameterServer(BaseServer):
             except Exception as exc:
                 out[g] = exc
 
-        async def every(make):
-            if len(jobs) == 1:
-                g = next(iter(jobs))
+        async def every(groups, make):
+            if len(groups) == 1:
+                g = next(iter(groups))
                 return {g: await guard(g, lambda: make(g))}
-            done = await asyncio.gather(*(guard(g, lambda g=g: make(g)) for g in jobs))
-            return dict(zip(jobs, done))
+            done = await asyncio.gather(*(guard(g, lambda g=g: make(g)) for g in groups))
+            return dict(zip(groups, done))
 
-        sent = loop.run_until_complete(every(lambda g: self._send(g, payloads[g], timeout)))
+        sent = loop.run_until_complete(every(jobs, lambda g: self._send(g, payloads[g], timeout)))
         try:
             if between is not None:
                 between()
@@ -511,9 +511,8 @@ class DaskParameterServer(BaseServer):
             todo = {g: v for g, v in sent.items() if g not in out}
             if todo:
                 got = loop.run_until_complete(every(
-                    lambda g: self._receive(g, payloads[g], todo[g], timeout)
-                    if g in todo else asyncio.sleep(0)))
-                out.update({g: v for g, v in got.items() if g in todo and g not in out})
+                    todo, lambda g: self._receive(g, payloads[g], todo[g], timeout)))
+                out.update({g: v for g, v in got.items() if g not in out})
         return out
 
     def _run(self, jobs, what, extra=0.0):
@@ -569,21 +568,14 @@ class DaskParameterServer(BaseServer):
                     raise exc
         # the requests to other processes are written first (there they wait for their
         # rounds); then this process's shards are pushed, without waiting for their
-        # rounds, while the others work; then the replies; then this process's rounds
-        here = {g: self._here(g) for g in groups}
-        outs = {}
-
-        def local():
-            for g, actor in here.items():
-                if actor is not None:
-                    outs[g] = actor.serve_here("push", (per[g], pull))
-
-        outs.update(self._remote({g: ("push", (per[g], pull, wait)) for g in groups
-                                  if here[g] is None}, "push", extra=self.options.wait_timeout,
-                                 between=local))
+        # rounds (serve_here), while the others work; then the replies; then this
+        # process's rounds
+        outs = self._run({g: ("push", (per[g], pull, wait)) for g in groups}, "push",
+                         extra=self.options.wait_timeout)
         failed = any(isinstance(v, Exception) or not v[0] for v in outs.values())
         if self.mode == "sync" and wait and not failed:
-            for g, actor in here.items():
+            for g in groups:
+                actor = self._here(g)
                 if actor is not None:
                     outs[g] = actor.wait_here(per[g], outs[g], pull)
         results, error = [None] * len(indices), None
@@ -636,9 +628,9 @@ class DaskParameterServer(BaseServer):
     def close(self):
         """Release the shard actors (their state is lost: :meth:`save` first)."""
         hosts = getattr(self, "hosts", [])
-        _links.drop([h for h in hosts if h in _links.comms])
+        _links.drop(hosts)
         if _helper is not None:
-            _helper.submit(_links.drop, [h for h in hosts]).result()
+            _helper.submit(_links.drop, hosts).result()
         for f in getattr(self, "_futures", []):
             f.release()
         self._futures = []
@@ -711,7 +703,7 @@ def _worker_task(server, worker_id, build_model, batches, accumulate, model_kwar
     try:
         return worker.run(batches, start=start)
     finally:
-        _links.drop([h for h in server.hosts if h in _links.comms])
+        _links.drop(server.hosts)
 
 
 def _trainer_addresses(client, server, n):
