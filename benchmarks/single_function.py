@@ -8,22 +8,32 @@ For each installed backend, on the 784-512-10 MLP (batch 64, Adam, N=4):
   of a window), ``step``: the N-th call;
 * ratios ``non-step / acc`` and ``step / (acc + apply)`` (targets: <= 1.05).
 
-Three graph choices are compared: ``lazy`` (the default: the rule behind
+Four graph choices are compared: ``lazy`` (the default: the rule behind
 ``ifelse``, which the library turns into its ``LazyStep`` op in C and Numba:
 the rule runs in place on stepping calls only), ``ifelse`` (the same graph
 compiled without that rewrite: PyTensor's own ``IfElse``), ``switch`` (the
 rule computed every call and selected) and ``select``: ``lazy`` without the
 rewrite that folds the buffer's lazy reset, ``select(fresh, 0, acc) + dot``,
 into the ``Gemm``'s beta (the select then costs a buffer-sized pass per call).
-Each window of N calls of each variant is timed call by call; the variants
-alternate within every round; the table shows medians. Each backend runs in
-its own process (one after the other).
+A ``control`` row times a second, identical two-function pair the same way:
+its ratios would be 1 without noise, so their distance from 1 is the
+resolution of the method.
 
-    python benchmarks/single_function.py [--dtype float32] [--rounds 60] [--modes CVM NUMBA]
-    python benchmarks/single_function.py --quick     # smoke test: C and Numba, 6 rounds
+Every call is timed. At each call position of a window, the baseline, the
+control and the variants run in a random order, and each call's time is
+divided by the baseline's at the same position; the table shows medians.
+Each backend runs in its own processes, one after the other, three times by
+default: a process places its buffers anew, and that alone moves a call's time
+by a few per cent, so one process is one draw. The table gives the median
+over the processes and their range.
+
+    python benchmarks/single_function.py [--dtype float32] [--rounds 60] [--processes 3]
+                                         [--modes CVM NUMBA]
+    python benchmarks/single_function.py --quick     # smoke test: C and Numba, 6 rounds, 1 process
 """
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -32,7 +42,7 @@ import time
 import pytensor
 from pytensor.compile.mode import get_mode
 
-from common import available_modes, batch, load_average, median, mlp
+from common import PROTO, available_modes, batch, load_average, median, mlp
 
 from lasagne_accum import accumulate_gradients, adam, with_accumulated_gradients
 
@@ -47,6 +57,13 @@ def build(mode, dtype, every):
     apply.update(acc.reset)
     out["acc"] = pytensor.function([x, y], loss, updates=acc.accumulate, mode=mode)
     out["apply"] = pytensor.function([], [], updates=apply, mode=mode)
+    # "control": an identical two-function pair on its own parameters
+    (x, y), params, loss = mlp(dtype)
+    acc = accumulate_gradients(loss, params)
+    apply = adam(acc.grads, params, 1e-3)
+    apply.update(acc.reset)
+    out["acc2"] = pytensor.function([x, y], loss, updates=acc.accumulate, mode=mode)
+    out["apply2"] = pytensor.function([], [], updates=apply, mode=mode)
     # "ifelse": the lazy form as PyTensor compiles it without the library's LazyStep rewrite
     plain = get_mode(mode).excluding("lasagne_accum_lazy_step_c", "lasagne_accum_lazy_step_numba")
     select = get_mode(mode).excluding("lasagne_accum_gemm_reset")
@@ -58,93 +75,131 @@ def build(mode, dtype, every):
     return out
 
 
-def measure(fns, data, every, rounds):
-    """Per-call times, and the ratios of each call to its neighbouring baseline call.
+def measure(fns, data, every, rounds, rng):
+    """Per-call times, and the ratios of each call to the baseline call at its position.
 
-    Every call of a window goes baseline first (accumulate, plus apply on the
-    last call), then each variant at the same position of its own window, in
-    an order rotating per round: a load burst hits neighbours alike.
+    A unit is the baseline (the two-function form: accumulate, plus apply on
+    the last call of a window), its ``control`` (a second, identical
+    two-function pair on its own parameters) or a variant. Each call position
+    of every round runs all units in a random order: no unit always follows
+    another, and a load burst hits them alike. The ``control`` row measures
+    the method itself: identical work, so its ratios show the noise.
     """
-    t = {k: [] for k in ("acc", "apply", *(f"{v}-{c}" for v in VARIANTS
-                                             for c in ("non-step", "step")))}
-    ratio = {f"{v}-{c}": [] for v in VARIANTS for c in ("non-step", "step")}
+    units = ("base", "control", *VARIANTS)
+    kinds = ("non-step", "step")
+    t = {k: [] for k in ("acc", "apply", *(f"{u}-{c}" for u in units[1:] for c in kinds))}
+    ratio = {f"{u}-{c}": [] for u in units[1:] for c in kinds}
     clock = time.perf_counter
-    for r in range(rounds):
-        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
+    for _ in range(rounds):
         for c in range(every):
-            s = clock(); fns["acc"](*data); a = clock() - s
-            t["acc"].append(a)
-            base = a
-            if c == every - 1:
-                s = clock(); fns["apply"](); p = clock() - s
-                t["apply"].append(p)
-                base = a + p
             kind = "step" if c == every - 1 else "non-step"
-            for variant in order:
-                s = clock(); fns[variant](*data); d = clock() - s
-                t[f"{variant}-{kind}"].append(d)
-                ratio[f"{variant}-{kind}"].append(d / base)
+            took = {}
+            for unit in rng.permutation(units):
+                if unit in ("base", "control"):
+                    suffix = "" if unit == "base" else "2"
+                    s = clock(); fns["acc" + suffix](*data); a = clock() - s
+                    took[unit] = a
+                    if kind == "step":
+                        s = clock(); fns["apply" + suffix](); p = clock() - s
+                        took[unit] += p
+                    if unit == "base":
+                        t["acc"].append(a)
+                        if kind == "step":
+                            t["apply"].append(p)
+                else:
+                    s = clock(); fns[unit](*data); took[unit] = clock() - s
+            for unit in units[1:]:
+                t[f"{unit}-{kind}"].append(took[unit])
+                ratio[f"{unit}-{kind}"].append(took[unit] / took["base"])
     out = {k: median(v) for k, v in t.items()}
     out.update({f"ratio {k}": median(v) for k, v in ratio.items()})
     return out
+
+
+def run_one(mode, args):
+    """Build and time one backend in this process; the result dict (None: it cannot compile)."""
+    import numpy as np
+
+    data = batch(args.dtype)
+    rng = np.random.default_rng(args.seed)
+    try:
+        fns = build(mode, args.dtype, args.every)
+        measure(fns, data, args.every, 3, rng)  # warm-up (JIT compilation)
+    except Exception as exc:  # a backend that cannot compile this graph
+        return {"skipped": f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"}
+    return measure(fns, data, args.every, args.rounds, rng)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--every", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--rounds", type=int, default=None, help="rounds per process (default 60)")
+    p.add_argument("--processes", type=int, default=None,
+                   help="processes per backend (default 3): each lays out its buffers anew")
     p.add_argument("--modes", nargs="*", default=None)
-    p.add_argument("--quick", action="store_true", help="C and Numba only, 6 rounds")
+    p.add_argument("--quick", action="store_true", help="C and Numba only, 6 rounds, 1 process")
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.rounds = args.rounds or (6 if args.quick else 60)
+    args.processes = args.processes or (1 if args.quick else 3)
     modes = args.modes or (["CVM", "NUMBA"] if args.quick else available_modes())
-    if len(modes) > 1:
-        # one process per backend: in a shared one, the C backend's OpenBLAS threads
-        # still spin while the next Numba call runs (scipy's OpenBLAS), and the
-        # other backend's buffers evict this one's from the cache between calls
-        for mode in modes:
-            cmd = [sys.executable, os.path.abspath(__file__), "--dtype", args.dtype,
-                   "--every", str(args.every), "--rounds", str(args.rounds), "--modes", mode]
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            lines = out.stdout.splitlines()
-            if out.returncode:
-                raise SystemExit(f"{mode}: exit {out.returncode}\n{out.stderr[-3000:]}")
-            print("\n".join(lines))
+    if args.child:
+        print(PROTO + json.dumps(run_one(modes[0], args)))
         return
     print(load_average())
-    data = batch(args.dtype)
     print(f"pytensor {pytensor.__version__}, blas: {pytensor.config.blas__ldflags or 'none'}; "
-          f"784-512-10 MLP, batch 64, adam, N={args.every}, {args.dtype}, {args.rounds} rounds")
-    built = {}
-    for mode in modes:
-        try:
-            built[mode] = build(mode, args.dtype, args.every)
-            measure(built[mode], data, args.every, 3)  # warm-up (JIT compilation)
-        except Exception as exc:  # a backend that cannot compile this graph
-            print(f"{mode}: skipped ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})")
-    results = {m: {} for m in built}
-    for _ in range(3):  # interleave the backends too
-        for mode, fns in built.items():
-            r = measure(fns, data, args.every, max(1, args.rounds // 3))
-            for k, v in r.items():
-                results[mode].setdefault(k, []).append(v)
+          f"784-512-10 MLP, batch 64, adam, N={args.every}, {args.dtype}; per backend "
+          f"{args.processes} process(es) x {args.rounds} rounds")
+    # one process per backend and repeat: in a shared one, the C backend's OpenBLAS
+    # threads still spin while the next Numba call runs (scipy's OpenBLAS), and the
+    # other backend's buffers evict this one's from the cache between calls; and each
+    # process places its buffers anew, which moves a call's time by a few per cent
+    results = {m: [] for m in modes}
+    skipped = {}
+    for k in range(args.processes):
+        for mode in modes:
+            if mode in skipped:
+                continue
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--dtype", args.dtype,
+                   "--every", str(args.every), "--rounds", str(args.rounds), "--modes", mode,
+                   "--seed", str(k)]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            lines = [ln for ln in out.stdout.splitlines() if ln.startswith(PROTO)]
+            if out.returncode or not lines:
+                raise SystemExit(f"{mode}: exit {out.returncode}\n{out.stderr[-3000:]}")
+            r = json.loads(lines[-1][len(PROTO):])
+            if "skipped" in r:
+                skipped[mode] = r["skipped"]
+            else:
+                results[mode].append(r)
     header = (f"{'backend':8} {'acc ms':>7} {'apply ms':>8} {'variant':>7} {'non-step':>9}"
-              f" {'step':>7} {'non-step/acc':>13} {'step/(acc+apply)':>17}")
+              f" {'step':>7} {'non-step/acc':>19} {'step/(acc+apply)':>19}")
     print(header)
     print("-" * len(header))
-    for mode, r in results.items():
-        rr = {k: median(v) for k, v in r.items()}
-        r = {k: median(v) * 1e3 for k, v in r.items()}
-        for variant in VARIANTS:
-            ns, st = r[f"{variant}-non-step"], r[f"{variant}-step"]
-            print(f"{mode:8} {r['acc']:7.3f} {r['apply']:8.3f} {variant:>7} {ns:9.3f} {st:7.3f}"
-                  f" {rr[f'ratio {variant}-non-step']:13.3f}"
-                  f" {rr[f'ratio {variant}-step']:17.3f}")
-    print("(ms: medians per call; ratios: medians of each call over its neighbouring "
-          "baseline call(s); targets <= 1.05)")
-    print(load_average())
 
+    def cell(runs, key):  # median over processes, and their range
+        values = [r[key] for r in runs]
+        if len(values) == 1:
+            return f"{values[0]:.3f}"
+        return f"{median(values):.3f} [{min(values):.2f}-{max(values):.2f}]"
+
+    for mode in modes:
+        if mode in skipped:
+            print(f"{mode}: skipped ({skipped[mode]})")
+            continue
+        runs = results[mode]
+        ms = {k: median([r[k] for r in runs]) * 1e3 for k in runs[0] if not k.startswith("ratio")}
+        for variant in ("control", *VARIANTS):
+            print(f"{mode:8} {ms['acc']:7.3f} {ms['apply']:8.3f} {variant:>7}"
+                  f" {ms[f'{variant}-non-step']:9.3f} {ms[f'{variant}-step']:7.3f}"
+                  f" {cell(runs, f'ratio {variant}-non-step'):>19}"
+                  f" {cell(runs, f'ratio {variant}-step'):>19}")
+    print("(ms: medians per call; ratios: medians of each call over the baseline call(s) at "
+          "its position, then the median [range] over the processes; targets <= 1.05; "
+          "'control' is the baseline's identical twin: its distance from 1 is the noise)")
+    print(load_average())
 
 if __name__ == "__main__":
     main()
