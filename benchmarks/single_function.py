@@ -13,7 +13,7 @@ Four graph choices are compared: ``lazy`` (the default: the rule behind
 the rule runs in place on stepping calls only), ``ifelse`` (the same graph
 compiled without that rewrite: PyTensor's own ``IfElse``), ``switch`` (the
 rule computed every call and selected) and ``select``: ``lazy`` without the
-rewrite that folds the buffer's lazy reset, ``select(fresh, 0, acc) + dot``,
+rewrite that folds the buffer's reset, ``select(stale, 0, acc) + dot``,
 into the ``Gemm``'s beta (the select then costs a buffer-sized pass per call).
 A ``control`` row times a second, identical two-function pair the same way:
 its ratios would be 1 without noise, so their distance from 1 is the

@@ -7,23 +7,29 @@ moments, timesteps) advances only on those stepping calls.
 
 Graph choices (measured in ``benchmarks/single_function.py``):
 
-* The buffer is reset *lazily*: instead of writing zeros after a step, the
-  first call of a window computes ``accu := select(fresh, 0, accu) + g``.
-  When the gradient is a matrix product, the rewrite
-  ``lasagne_accum_gemm_reset`` of :mod:`lasagne_accum.fast_ops` moves the
-  select onto ``Gemm``'s beta, ``gemm(accu, 1, x, y, select(fresh, 0, 1))``,
-  so the product is added into the buffer in place (C and Numba modes). A
-  select rather than the former ``0 * accu`` so that a NaN left in the buffer
-  by a bad window is not carried into the next one (``0 * NaN`` is NaN; BLAS
-  does not read the buffer when beta is 0).
 * The rule's updates sit behind one ``ifelse(keep, states, new_values)``
-  (``lazy=True``, default). When the function is compiled, a rewrite of
+  (``lazy=True``, default), and so do the gradient buffers, whose stepping
+  value is zeros. When the function is compiled, a rewrite of
   :mod:`lasagne_accum.fast_ops` turns it into a
   :class:`~lasagne_accum.fast_ops.LazyStep` (C and Numba modes): the rule's
   graph runs on stepping calls only and writes the new values into the state
-  buffers in place, so a non-stepping call neither computes nor copies them.
-  JAX and PyTorch keep the ``ifelse``. ``lazy=False`` selects with ``switch``
-  instead (the rule then runs every call).
+  buffers in place, then fills the gradient buffers with zeros, so a
+  non-stepping call neither computes nor copies them, and its ``accu + dot``
+  is an in-place ``Gemm`` as in the two-function form (which writes the
+  zeros in its apply step). JAX and PyTorch keep the ``ifelse``.
+* The stepping call sets the bool ``<name>.zeroed``; a window's first call
+  trusts its buffers to hold zeros only then, and otherwise starts from 0:
+  ``accu := select(fresh and not zeroed, 0, accu) + g``. That covers state
+  from anywhere else (a checkpoint of ``lazy=False`` or of version 0.2, a
+  counter set back to 0 by hand). A select rather than ``0 * accu``, so that
+  a NaN left in a buffer is dropped (``0 * NaN`` is NaN); when the gradient
+  is a matrix product, the rewrite ``lasagne_accum_gemm_reset`` of
+  :mod:`lasagne_accum.fast_ops` moves the select onto ``Gemm``'s beta, so the
+  product is still added into the buffer in place (C and Numba modes; BLAS
+  does not read the buffer when beta is 0).
+* ``lazy=False`` selects the rule's values with ``switch`` instead (the rule
+  then runs every call), and resets the buffers on each window's first call
+  (``zeroed`` stays False).
 
 Buffers, counters, weighting, the non-finite check, the mean and clipping come
 from the same private core as :func:`lasagne_accum.accumulate_gradients`
@@ -41,7 +47,13 @@ import pytensor.tensor as pt
 from pytensor.ifelse import ifelse
 
 from .accumulate import _GradientBuffer
-from .grads import check_every, check_params, check_rule_updates, get_or_compute_grads
+from .grads import (
+    check_every,
+    check_params,
+    check_rule_updates,
+    get_or_compute_grads,
+    scalar_state,
+)
 
 if TYPE_CHECKING:
     from ._typing import LossOrGrads, Params, Scalar, UpdateRule, Updates
@@ -95,7 +107,8 @@ def with_accumulated_gradients(
     Per call of the compiled function (``c`` counts the batches accumulated
     in the window):
 
-    * ``accu_i := (accu_i if c > 0 else 0) + weight * gradient_i``
+    * ``accu_i := (accu_i if c > 0 else 0) + weight * gradient_i`` (with
+      ``lazy=True`` the stepping call writes the zeros, see the module notes)
     * ``total := (total if c > 0 else 0) + weight``
     * on the `every`-th call: the rule's updates computed from
       ``grads_i = accu_i / total`` (``average=True``) or ``accu_i``
@@ -130,12 +143,15 @@ def with_accumulated_gradients(
     lazy : bool
         True (default): the rule's arithmetic sits behind an ``ifelse``,
         compiled to a :class:`~lasagne_accum.fast_ops.LazyStep` that runs it
-        on stepping calls only, in place (JAX and PyTorch: the lazy
-        ``ifelse``). False: it is selected with ``switch`` and computed every
-        call (simpler graph, more work).
+        on stepping calls only, in place, and zeroes the gradient buffers
+        there (JAX and PyTorch: the lazy ``ifelse``). False: it is selected
+        with ``switch`` and computed every call (simpler graph, more work).
+        Both give the same numbers and have the same state, so a checkpoint
+        of one resumes in the other.
     name : str
-        Prefix of the counters' names (``average.count``); any other name
-        than the default also prefixes the buffers (``W.enc_grad_accu``).
+        Prefix of the counters' names (``average.count``, ``average.total``,
+        ``average.zeroed``); any other name than the default also prefixes
+        the buffers (``W.enc_grad_accu``).
     **kwargs
         Hyperparameters passed on to `update_rule`.
 
@@ -213,11 +229,20 @@ def with_accumulated_gradients(
         updates[total] = denominator
     else:
         denominator = c_new
+    # A window's first call starts its buffers from 0. With lazy=True the
+    # stepping call writes those zeros (behind the ifelse below, where the
+    # two-function form's apply step writes them too) and sets `zeroed`, so
+    # that the next call need not reset. Anything else (the lazy=False form, a
+    # checkpoint of it or of version 0.2, a counter set back to 0 by hand)
+    # leaves `zeroed` False, and the window's first call resets the buffers.
+    zeroed = scalar_state(f"{name}.zeroed", "bool", False)
+    zeroed.tag.checkpoint_default = False  # load_state: what a 0.2 checkpoint means
+    stale = pt.and_(fresh, pt.eq(zeroed, 0)) if lazy else fresh
     sums = []
     for acc, c in zip(core.accumulators, core.contributions):
-        # the lazy reset: the first call of a window starts from 0
-        acc_new = pt.switch(fresh, np.zeros((), acc.type.dtype), acc) + c
-        updates[acc] = acc_new
+        acc_new = pt.switch(stale, np.zeros((), acc.type.dtype), acc) + c
+        if not lazy:
+            updates[acc] = acc_new
         sums.append(acc_new)
     mean_grads, updates.norm = core.gradients(sums, denominator)
 
@@ -232,14 +257,20 @@ def with_accumulated_gradients(
         # IfElse hands its first branch through as a view and copies the
         # second: the unchanged values go first, so a non-stepping call
         # copies nothing, and the rule's graph runs on stepping calls only.
-        chosen: Any = ifelse(pt.neq(c_new, every), list(variables), new_values)
+        # The buffers ride along: a stepping call also writes their zeros.
+        keep = list(variables) + sums
+        stepped = new_values + [pt.zeros(a.shape, dtype=a.type.dtype) for a in sums]
+        chosen: Any = ifelse(pt.neq(c_new, every), keep, stepped)
         if not isinstance(chosen, (list, tuple)):
             chosen = [chosen]
+        for acc, a in zip(core.accumulators, chosen[len(variables):]):
+            updates[acc] = a
     else:
         chosen = [pt.switch(is_step, nv, v) for nv, v in zip(new_values, variables)]
     for v, c in zip(variables, chosen):
         c.tag.step_signal = is_step  # the step signal survives a copy of the dict
         updates[v] = c
     updates[count] = pt.switch(is_step, pt.constant(np.int64(0)), c_new)
+    updates[zeroed] = is_step if lazy else pt.constant(np.bool_(False))
     core.counter_updates(updates)
     return updates

@@ -13,26 +13,29 @@
   calls), writing into the buffer.
 
 * **The lazy reset, in place.** The single-function form starts a window
-  with ``select(fresh, 0, acc) + dot(x, y)`` (a select: ``0 * acc`` would
-  keep a NaN). :func:`register_gemm_reset_rewrite` folds the select into the
-  ``Gemm``'s ``beta`` (``select(fresh, 0, beta)``; BLAS does not read the
-  buffer when ``beta = 0``), so the buffer is updated in place, with no
-  buffer-sized select per call, in C and Numba.
+  with ``select(stale, 0, acc) + dot(x, y)`` (a select: ``0 * acc`` would
+  keep a NaN; ``stale`` holds on a window's first call unless the stepping
+  call before it left the buffers zeroed). :func:`register_gemm_reset_rewrite`
+  folds the select into the ``Gemm``'s ``beta`` (``select(stale, 0, beta)``;
+  BLAS does not read the buffer when ``beta = 0``), so the buffer is updated
+  in place, with no buffer-sized select per call, in C and Numba.
 
 * **A lazy step that costs nothing.** The single-function form
-  (``average=N``) selects the rule's new values with
-  ``ifelse(keep, states, new_values)``. PyTensor's ``IfElse`` copies the
-  branch it returns when that is the new values (C), and the Numba backend
-  computes both branches on every call. :func:`register_lazy_step_rewrite`
-  turns that ``IfElse`` (its unchanged branch being updated shared variables)
-  into :class:`LazyStep`, an op that holds the nodes feeding only the new
-  values as an inner graph, runs it only when the step happens, and writes the
+  (``average=N``) selects the rule's new values, and the gradient buffers'
+  zeros, with ``ifelse(keep, states, new_values)``. PyTensor's ``IfElse``
+  copies the branch it returns when that is the new values (C), and the
+  Numba backend computes both branches on every call.
+  :func:`register_lazy_step_rewrite` turns that ``IfElse`` (its unchanged
+  branch being updated shared variables, or values computed from them in the
+  call) into :class:`LazyStep`, an op that holds the nodes feeding only the
+  new values as an inner graph, runs it only when the step happens, writes the
   results into the state buffers themselves (the inner graph is compiled with
-  the states as mutable inputs, so the rule runs in place). C modes: the op's
-  thunk calls the inner graph compiled by PyTensor's Numba backend (its
-  elementwise loops are the faster ones; C when numba is missing); Numba: the
-  inner function sits behind an ``if`` in the compiled code
-  (:func:`register_numba_lazy_step`). JAX and PyTorch keep the ``IfElse``.
+  the states as mutable inputs, so the rule runs in place) and fills the
+  states whose new value is zeros. C modes: the op's thunk calls the inner
+  graph compiled by PyTensor's Numba backend (its elementwise loops are the
+  faster ones; C when numba is missing); Numba: the inner function sits
+  behind an ``if`` in the compiled code (:func:`register_numba_lazy_step`).
+  JAX and PyTorch keep the ``IfElse``.
 
 All are registered by :func:`lasagne_accum.backends.install` when the library
 is imported (the Numba implementations once PyTensor loads its Numba dispatch).
@@ -412,21 +415,29 @@ def _make_lazy_step_class():
         ``LazyStep(cond, *states, *others)`` returns the states. When `cond`
         holds, the inner graph computes ``new_i = f_i(states, others)`` and
         each state's buffer is overwritten with ``new_i`` (the inner graph may
-        compute it there directly: the states are mutable inputs to it);
-        otherwise nothing runs and the states come back unchanged. Output ``i``
-        is state ``i``'s buffer (``destroy_map``), so neither case copies.
+        compute it there directly: the states not in `zeros` are mutable
+        inputs to it), then the `zeros` states' buffers are filled with
+        zeros; otherwise nothing runs and the states come back unchanged.
+        Output ``i`` is state ``i``'s buffer (``destroy_map``), so neither case
+        copies.
 
         Built by the ``lasagne_accum_lazy_step`` rewrites from PyTensor's
         ``ifelse(keep, states, new_values)``, where the states are updated
-        shared variables; JAX and PyTorch keep the ``IfElse``.
+        shared variables or values computed from them in the same call (the
+        single-function form's gradient buffers, zeroed by the stepping call);
+        JAX and PyTorch keep the ``IfElse``.
 
         Parameters
         ----------
         fgraph : FunctionGraph
             The inner graph: inputs are the states, then the other values it
-            reads; outputs are the states' new values, in the states' order.
+            reads; outputs are the new values of the states not in `zeros`, in
+            the states' order.
         n_states : int
             How many of the inputs are states.
+        zeros : tuple of int
+            The states whose new value is zeros: filled after the inner graph
+            has run (which reads them but does not write them).
 
         Examples
         --------
@@ -448,9 +459,11 @@ def _make_lazy_step_class():
 
         __props__ = ()
 
-        def __init__(self, fgraph, n_states):
+        def __init__(self, fgraph, n_states, zeros=()):
             self.fgraph = fgraph
             self.n_states = n_states
+            self.zeros = tuple(sorted(zeros))
+            self.computed = tuple(i for i in range(n_states) if i not in self.zeros)
             self.destroy_map = {i: [1 + i] for i in range(n_states)}
             self._fn = None
 
@@ -461,7 +474,8 @@ def _make_lazy_step_class():
             return id(self)
 
         def __str__(self):
-            return f"LazyStep{{{self.n_states} states}}"
+            zeros = f", {len(self.zeros)} zeroed" if self.zeros else ""
+            return f"LazyStep{{{self.n_states} states{zeros}}}"
 
         def make_node(self, cond, *inputs):
             states = inputs[:self.n_states]
@@ -483,7 +497,7 @@ def _make_lazy_step_class():
 
                 mode = "NUMBA" if importlib.util.find_spec("numba") else "CVM"
                 fg = self.fgraph.clone()
-                ins = [In(v, borrow=True, mutable=i < self.n_states)
+                ins = [In(v, borrow=True, mutable=i in self.computed)
                        for i, v in enumerate(fg.inputs)]
                 self._fn = pytensor.function(ins, [Out(o, borrow=True) for o in fg.outputs],
                                              mode=mode, accept_inplace=True,
@@ -503,13 +517,15 @@ def _make_lazy_step_class():
                 address = [s.__array_interface__["data"][0] for s in states]
                 # in place, the inner graph may have written state i's new value into
                 # state j's buffer: take those values aside before any store
-                for i, v in enumerate(new):
+                for k, (i, v) in enumerate(zip(self.computed, new)):
                     at = v.__array_interface__["data"][0]
                     if at != address[i] and at in address:
-                        new[i] = v.copy()
-                for s, v, at in zip(states, new, address):
-                    if v.__array_interface__["data"][0] != at:
-                        np.copyto(s, v)
+                        new[k] = v.copy()
+                for i, v in zip(self.computed, new):
+                    if v.__array_interface__["data"][0] != address[i]:
+                        np.copyto(states[i], v)
+                for i in self.zeros:
+                    states[i].fill(0)
             for out, s in zip(output_storage, states):
                 out[0] = s
 
@@ -544,39 +560,61 @@ def _exclusive_subgraph(fgraph, ifelse_node, false_vals):
 
 
 def _lazy_step_rewrite():
+    import numpy as np
     import pytensor.tensor as pt
     from pytensor.graph.basic import Constant
-    from pytensor.graph.fg import FunctionGraph
+    from pytensor.graph.fg import FunctionGraph, Output
     from pytensor.graph.replace import clone_replace
     from pytensor.graph.rewriting.basic import node_rewriter
     from pytensor.ifelse import IfElse
+    from pytensor.tensor.basic import Alloc
+    from pytensor.tensor.exceptions import NotScalarConstantError
+
+    def is_zeros(v):
+        """``v`` is a constant zero or an ``Alloc`` of one (``pt.zeros(shape)``)."""
+        if isinstance(v, Constant):
+            return bool(np.all(np.asarray(v.data) == 0))
+        if v.owner is None or not isinstance(v.owner.op, Alloc):
+            return False
+        try:
+            return bool(pt.get_underlying_scalar_constant_value(v.owner.inputs[0]) == 0)
+        except NotScalarConstantError:
+            return False
+
+    def may_overwrite(fgraph, state):
+        """A shared variable's value, or a value computed in the call that no output shows."""
+        if state in fgraph.inputs:
+            return True
+        return state.owner is not None and not any(
+            isinstance(client.op, Output) for client, _ in fgraph.clients[state])
 
     @node_rewriter([IfElse], inplace=True)
     def local_ifelse_to_lazy_step(fgraph, node):
-        """``ifelse(keep, states, new)`` on updated shared states -> ``LazyStep(not keep, ...)``."""
+        """``ifelse(keep, states, new)`` on updated states -> ``LazyStep(not keep, ...)``."""
         n = node.op.n_outs
         cond, branches = node.inputs[0], node.inputs[1:]
         states, new_values = branches[:n], branches[n:]
-        if len(set(states)) != n or not all(s in fgraph.inputs for s in states):
+        if len(set(states)) != n or not all(may_overwrite(fgraph, s) for s in states):
             return None
         if any(s.type.dtype != o.type.dtype or s.type.ndim != o.type.ndim
                for s, o in zip(states, node.outputs)):
             return None
-        inner = _exclusive_subgraph(fgraph, node, new_values)
+        zeros = [i for i, v in enumerate(new_values) if is_zeros(v)]
+        computed = [v for i, v in enumerate(new_values) if i not in zeros]
+        inner = _exclusive_subgraph(fgraph, node, computed)
         outer_inputs = list(states)
         for nd in inner:
             for v in nd.inputs:
                 if (v.owner not in inner and not isinstance(v, Constant)
                         and v not in outer_inputs):
                     outer_inputs.append(v)
-        for v in new_values:  # a new value computed outside (or a state itself)
+        for v in computed:  # a new value computed outside (or a state itself)
             if (v.owner not in inner and not isinstance(v, Constant)
                     and v not in outer_inputs):
                 outer_inputs.append(v)
         inner_inputs = [v.type() for v in outer_inputs]
-        inner_outputs = clone_replace(list(new_values),
-                                      replace=dict(zip(outer_inputs, inner_inputs)))
-        op = LazyStep(FunctionGraph(inner_inputs, inner_outputs, clone=False), n)
+        inner_outputs = clone_replace(computed, replace=dict(zip(outer_inputs, inner_inputs)))
+        op = LazyStep(FunctionGraph(inner_inputs, inner_outputs, clone=False), n, zeros)
         step = pt.eq(cond, 0)
         outs = op(step, *outer_inputs)
         outs = outs if isinstance(outs, list | tuple) else [outs]
@@ -682,7 +720,7 @@ def register_numba_lazy_step():
     def numba_funcify_LazyStep(op, node=None, **kwargs):
         kwargs.pop("storage_map", None)
         fgraph = op.fgraph.clone()
-        specs = [In(v, borrow=True, mutable=i < op.n_states)
+        specs = [In(v, borrow=True, mutable=i in op.computed)
                  for i, v in enumerate(fgraph.inputs)]
         add_supervisor_to_fgraph(fgraph=fgraph, input_specs=specs, accept_inplace=True)
         NUMBA.optimizer(fgraph)
@@ -693,23 +731,26 @@ def register_numba_lazy_step():
         n = op.n_states
         args = [f"a{i}" for i in range(len(fgraph.inputs))]
         # in place, the inner graph may have written state i's new value into state
-        # j's buffer: take those values aside (aside) before any store
-        asides = "\n".join(f"        n{i} = aside(new[{i}], a{i}, addresses)" for i in range(n))
-        stores = "\n".join(f"        store{'0' if fgraph.inputs[i].type.ndim == 0 else ''}"
-                           f"(a{i}, n{i})" for i in range(n))
+        # j's buffer: take those values aside (aside) before any store; the zeroed
+        # states' fills come last
+        lines = ["    if cond:"]
+        if op.computed:
+            addresses = ", ".join(f"a{i}.ctypes.data" for i in range(n)) + ("," if n == 1 else "")
+            lines += [f"        new = inner({', '.join(args)})",
+                      f"        addresses = ({addresses})"]
+            lines += [f"        n{i} = aside(new[{k}], a{i}, addresses)"
+                      for k, i in enumerate(op.computed)]
+            lines += [f"        store{'0' if fgraph.inputs[i].type.ndim == 0 else ''}(a{i}, n{i})"
+                      for i in op.computed]
+        lines += [f"        a{i}[{'()' if fgraph.inputs[i].type.ndim == 0 else '...'}] = 0"
+                  for i in op.zeros]
         returns = ", ".join(args[:n]) + ("," if n == 1 else "")
-        addresses = ", ".join(f"a{i}.ctypes.data" for i in range(n)) + ("," if n == 1 else "")
-        src = (f"def lazy_step(cond, {', '.join(args)}):\n"
-               f"    if cond:\n"
-               f"        new = inner({', '.join(args)})\n"
-               f"        addresses = ({addresses})\n"
-               f"{asides}\n"
-               f"{stores}\n"
+        src = (f"def lazy_step(cond, {', '.join(args)}):\n" + "\n".join(lines) + "\n"
                f"    return {args[0] if n == 1 else returns}\n")
         fn = numba_basic.numba_njit(compile_numba_function_src(
             src, "lazy_step", {"inner": inner, "store": store, "store0": store0, "aside": aside}))
         key = None if inner_key is None else sha256(
-            str(("lasagne_accum.LazyStep", n, inner_key, _SOURCE_KEY)).encode()).hexdigest()
+            str(("lasagne_accum.LazyStep", n, op.zeros, inner_key, _SOURCE_KEY)).encode()).hexdigest()
         return fn, key
 
     _registered.add("numba-lazy")

@@ -481,7 +481,10 @@ def load_state(path: PathLike, *objects: Any, strict: bool = True) -> list[str]:
         model and its update dictionaries the same way first).
     strict : bool
         True (default): the checkpoint must hold exactly the collected names.
-        False: names missing on either side are ignored.
+        False: names missing on either side are ignored. Either way, state
+        that checkpoints of an earlier version lack (the single-function
+        form's ``<name>.zeroed``, added after 0.2.0) is set to the value that is
+        right for them.
 
     Returns
     -------
@@ -514,7 +517,14 @@ def load_state(path: PathLike, *objects: Any, strict: bool = True) -> list[str]:
     for name, var in named.items():
         current = as_host_array(var.get_value(borrow=True))
         expected[name] = (current.shape, current.dtype)
-    arrays = read_arrays(path, expected, strict=strict)
+    # state that older checkpoints lack, with the value that is right for them
+    # (the single-function form's `<name>.zeroed`: False, the buffers are reset)
+    defaults = {name: var.tag.checkpoint_default for name, var in named.items()
+                if hasattr(var.tag, "checkpoint_default")}
+    arrays = read_arrays(path, expected, strict=strict, optional=defaults)
+    for name, default in defaults.items():
+        if name not in arrays:
+            named[name].set_value(np.asarray(default, dtype=expected[name][1]))
     for name, value in arrays.items():
         named[name].set_value(value)
     return list(arrays)

@@ -161,8 +161,9 @@ def test_counter_and_buffers_follow_the_window():
     by = {v.name: v for v in s_all}
     count, total = by["average.count"], by["average.total"]
     assert count.type.dtype == "int64"
-    assert set(by) == {"average.count", "average.total", "W.grad_accu", "b.grad_accu",
-                       "W.adam_m", "W.adam_v", "b.adam_m", "b.adam_v", "adam.t"}
+    assert set(by) == {"average.count", "average.total", "average.zeroed", "W.grad_accu",
+                       "b.grad_accu", "W.adam_m", "W.adam_v", "b.adam_m", "b.adam_v", "adam.t"}
+    assert by["average.zeroed"].type.dtype == "bool"
     rng = np.random.default_rng(1)
     batches = [make_batch(rng, k) for k in (2, 4, 1, 5)]
     expected = [(1, 2.0, 0), (2, 6.0, 0), (0, 7.0, 1), (1, 5.0, 1)]
@@ -171,6 +172,11 @@ def test_counter_and_buffers_follow_the_window():
         assert int(count.get_value()) == c
         assert float(total.get_value()) == tot
         assert float(by["adam.t"].get_value()) == t
+        # the stepping call (the 3rd) leaves the buffers at zero, and says so
+        assert bool(by["average.zeroed"].get_value()) == (c == 0)
+        if c == 0:
+            for name in ("W.grad_accu", "b.grad_accu"):
+                assert not by[name].get_value().any()
     # the 4th call started a new window: the buffer holds only its weighted gradient
     g = np_grads(sm.W.get_value(), sm.b.get_value(), *batches[3])
     np.testing.assert_allclose(by["W.grad_accu"].get_value(), 5 * g[0], rtol=1e-12)
@@ -434,16 +440,19 @@ def test_weight_zero_or_negative_is_refused_like_the_two_function_form(form):
         accumulate_gradients(m.loss, m.params, weight=0)
 
 
-@pytest.mark.real_backend  # the C and Numba code paths (Gemm with beta = 0), compiled
+@pytest.mark.real_backend  # the C and Numba code paths (LazyStep, Gemm with beta = 0), compiled
+@pytest.mark.parametrize("lazy", [True, False])
 @pytest.mark.parametrize("mode", [None, "CVM"])
-def test_buffer_does_not_carry_nan_into_the_next_window(mode):
+def test_buffer_does_not_carry_nan_into_the_next_window(mode, lazy):
     """Was: the lazy reset 0 * NaN kept a NaN batch in the buffer for good.
 
-    W's buffer is reset inside an in-place Gemm (beta = 0 on a window's first
-    call), the bias's by an elementwise select: both must drop the NaN.
+    lazy=True: the stepping call writes zeros into the buffers (LazyStep's
+    fill). lazy=False: W's buffer is reset inside an in-place Gemm (beta = 0
+    on a window's first call), the bias's by an elementwise select. Each must
+    drop the NaN.
     """
     m = Model()
-    upd = with_accumulated_gradients(m.loss, m.params, 2, L.sgd, learning_rate=0.1)
+    upd = with_accumulated_gradients(m.loss, m.params, 2, L.sgd, learning_rate=0.1, lazy=lazy)
     f = pytensor.function([m.X, m.Y], [], updates=upd, mode=mode)
     fg = f.maker.fgraph
     names = {fg.inputs[k]: i.variable.name for k, i in enumerate(f.maker.inputs)}
@@ -462,6 +471,41 @@ def test_buffer_does_not_carry_nan_into_the_next_window(mode):
     g = np_grads(W0, B0, *concat([b3, b4]))
     np.testing.assert_allclose(m.W.get_value(), W0 - 0.1 * g[0], rtol=1e-12)
     np.testing.assert_allclose(m.b.get_value(), B0 - 0.1 * g[1], rtol=1e-12)
+
+
+@pytest.mark.parametrize("mode", [None, "CVM"])
+def test_a_window_start_without_zeroed_buffers_resets_them(mode):
+    """The stepping call zeroes the buffers and sets ``average.zeroed``; a
+    window's first call trusts the buffers only then. State that did not come
+    from such a step (a checkpoint of the lazy=False form or of version 0.2,
+    whose buffers keep the last window at count 0; a counter set back to 0 by
+    hand) has ``zeroed`` False, and its buffers are dropped, NaN included."""
+    m = Model()
+    upd = with_accumulated_gradients(m.loss, m.params, 2, L.sgd, learning_rate=0.1)
+    f = pytensor.function([m.X, m.Y], [], updates=upd, mode=mode)
+    by = {v.name: v for v in upd}
+    accus, zeroed = [by["W.grad_accu"], by["b.grad_accu"]], by["average.zeroed"]
+    rng = np.random.default_rng(23)
+
+    def window_from_stale_buffers():
+        m.reset_params()
+        for a in accus:  # what the last window left
+            a.set_value(np.full_like(a.get_value(), np.nan))
+        b1, b2 = make_batch(rng, 3), make_batch(rng, 3)
+        f(*b1)
+        assert not zeroed.get_value()
+        f(*b2)
+        g = np_grads(W0, B0, *concat([b1, b2]))
+        np.testing.assert_allclose(m.W.get_value(), W0 - 0.1 * g[0], rtol=1e-12)
+        np.testing.assert_allclose(m.b.get_value(), B0 - 0.1 * g[1], rtol=1e-12)
+        assert zeroed.get_value() and not any(a.get_value().any() for a in accus)
+
+    zeroed.set_value(False)  # as loaded from a checkpoint without the flag's True
+    window_from_stale_buffers()
+    f(*make_batch(rng, 3))  # half a window, then the user drops it
+    upd.count.set_value(0)
+    assert not zeroed.get_value()
+    window_from_stale_buffers()
 
 
 def test_skip_nonfinite_checks_the_weighted_gradient_and_lengthens_the_window():
@@ -492,16 +536,16 @@ def test_name_prefixes_the_single_function_state():
     m = Model()
     upd = L.adam(m.loss, m.params, average=3, weight=m.X.shape[0], name="enc")
     names = {v.name for v in upd}
-    assert names == {"W", "b", "enc.count", "enc.total", "W.enc_grad_accu", "b.enc_grad_accu",
-                     "W.enc_m", "W.enc_v", "b.enc_m", "b.enc_v", "enc.t"}
+    assert names == {"W", "b", "enc.count", "enc.total", "enc.zeroed", "W.enc_grad_accu",
+                     "b.enc_grad_accu", "W.enc_m", "W.enc_v", "b.enc_m", "b.enc_v", "enc.t"}
     # two optimizers in one graph: names fixed by name=, not by build order
     other = Model()
     a = L.adam(other.loss, [other.W], average=2, name="first")
     b = L.adam(other.loss, [other.b], average=2, name="second")
-    assert {v.name for v in a} == {"W", "first.count", "W.first_grad_accu", "W.first_m",
-                                   "W.first_v", "first.t"}
-    assert {v.name for v in b} == {"b", "second.count", "b.second_grad_accu", "b.second_m",
-                                   "b.second_v", "second.t"}
+    assert {v.name for v in a} == {"W", "first.count", "first.zeroed", "W.first_grad_accu",
+                                   "W.first_m", "W.first_v", "first.t"}
+    assert {v.name for v in b} == {"b", "second.count", "second.zeroed", "b.second_grad_accu",
+                                   "b.second_m", "b.second_v", "second.t"}
 
 
 def test_average_beyond_the_int64_counter_is_a_clear_error():

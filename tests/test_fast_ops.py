@@ -318,6 +318,8 @@ def test_lazy_step_replaces_ifelse_and_is_exact(dtype, mode):
     W, f = _lazy_model(dtype, mode)
     ops = {type(n.op).__name__ for n in f.maker.fgraph.toposort()}
     assert "LazyStep" in ops and "IfElse" not in ops
+    (lazy,) = [n.op for n in f.maker.fgraph.toposort() if type(n.op).__name__ == "LazyStep"]
+    assert len(lazy.zeros) == 1  # W's gradient buffer, zeroed by the stepping call
     W_plain, f_plain = _lazy_model(dtype, mode, lazy_rewrite=False)
     assert "IfElse" in {type(n.op).__name__ for n in f_plain.maker.fgraph.toposort()}
     want = _adam_reference(W.get_value(), batches, 3, 0.05)
@@ -355,6 +357,33 @@ def test_lazy_step_op_on_its_own(dtype):
         np.testing.assert_array_equal(state.get_value(), np.arange(4.0))
         f(True, gv)
         _close(state.get_value(), np.arange(4.0) * 0.5 - 0.25, dtype, what=mode)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lazy_step_zeroes_its_zero_states_after_reading_them(dtype):
+    """A state in ``zeros`` is read by the inner graph, then filled with zeros
+    (what the single-function form's buffers get on a stepping call); not on
+    a call that does not step. Both code paths, against numpy."""
+    from pytensor.graph.fg import FunctionGraph
+
+    from lasagne_accum.fast_ops import LazyStep
+
+    s_in, a_in = pt.vector(dtype=dtype), pt.vector(dtype=dtype)
+    op = LazyStep(FunctionGraph([s_in, a_in], [s_in - a_in * 0.5], clone=False), 2, zeros=(1,))
+    assert op.computed == (0,) and "1 zeroed" in str(op)
+    for mode in MODES:
+        state = pytensor.shared(np.arange(4.0).astype(dtype), name="s")
+        buf = pytensor.shared(np.full(4, 2.0, dtype), name="buf")
+        cond = pt.scalar("c", dtype="bool")
+        s_out, buf_out = op(cond, state, buf)
+        f = pytensor.function([cond], [], updates={state: s_out, buf: buf_out}, mode=mode,
+                              accept_inplace=True)
+        f(False)
+        np.testing.assert_array_equal(state.get_value(), np.arange(4.0))
+        np.testing.assert_array_equal(buf.get_value(), np.full(4, 2.0))
+        f(True)
+        _close(state.get_value(), np.arange(4.0) - 1.0, dtype, what=mode)
+        np.testing.assert_array_equal(buf.get_value(), np.zeros(4))
 
 
 def test_lazy_step_is_c_and_numba_only():

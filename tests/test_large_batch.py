@@ -257,9 +257,11 @@ def test_names_with_average():
     W = pytensor.shared(np.ones((2, 2)), name="W")
     cosine = schedules.cosine_decay(0.1, 10)
     names = [v.name for v in adamw([pt.ones((2, 2))], [W], cosine, average=3, name="x")]
-    assert names == ["W.x_grad_accu", "W.x_m", "W.x_v", "W", "x.t", "x.schedule_step", "x.count"]
+    assert names == ["W.x_grad_accu", "W.x_m", "W.x_v", "W", "x.t", "x.schedule_step", "x.count",
+                     "x.zeroed"]
     names = [v.name for v in lamb([pt.ones((2, 2))], [W], average=3)]
-    assert names == ["W.grad_accu", "W.lamb_m", "W.lamb_v", "W", "lamb.t", "average.count"]
+    assert names == ["W.grad_accu", "W.lamb_m", "W.lamb_v", "W", "lamb.t", "average.count",
+                     "average.zeroed"]
 
 
 # ------------------------------------------------------- accumulated gradients

@@ -140,6 +140,48 @@ def test_single_function_form_and_model_average_resume_bit_identical(tmp_path):
             assert np.array_equal(p.get_value(), e)
 
 
+def _single_lazy(lazy):
+    x, y, params, loss = _model()
+    upd = la.with_accumulated_gradients(loss, params, 3, la.momentum, weight=x.shape[0],
+                                        lazy=lazy, learning_rate=0.05, momentum=0.9)
+    return pytensor.function([x, y], loss, updates=upd, mode=MODE), upd
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_checkpoint_without_the_zeroed_flag_resumes_exactly(tmp_path, strict):
+    """A 0.2.0 checkpoint of the single-function form has no ``average.zeroed``,
+    and at a window's end its buffers still hold that window (0.2.0 reset them
+    on the next call, as ``lazy=False`` does now). It loads, strict or not, and
+    the flag is set False, so those buffers are not added to the next window."""
+    batches = _batches(9)
+    f, upd = _single_lazy(True)
+    for batch in batches:
+        f(*batch)
+    expected = _values(collect_state(upd))
+
+    f_old, upd_old = _single_lazy(False)  # what 0.2.0 did
+    for batch in batches[:6]:  # two whole windows: count 0, the buffers hold the second
+        f_old(*batch)
+    state = _values(collect_state(upd_old))
+    assert int(state["average.count"]) == 0 and state["W.grad_accu"].any()
+    del state["average.zeroed"]
+    la.state.save_arrays(tmp_path / "old.npz", state)
+
+    f2, upd2 = _single_lazy(True)
+    for batch in batches[:3]:  # a step: this model's flag is True now
+        f2(*batch)
+    names = load_state(tmp_path / "old.npz", upd2, strict=strict)
+    assert "average.zeroed" not in names
+    got = collect_state(upd2)
+    assert not got["average.zeroed"].get_value()
+    for batch in batches[6:]:
+        f2(*batch)
+    got = _values(got)
+    assert got.keys() == expected.keys()
+    for k in expected:
+        np.testing.assert_allclose(got[k], expected[k], rtol=1e-12, atol=1e-15, err_msg=k)
+
+
 def test_mismatched_checkpoint_lists_every_problem_and_loads_nothing(tmp_path):
     x, y, params, loss = _model()
     upd = la.sgd(loss, params, 0.1)
