@@ -441,15 +441,14 @@ def test_weight_zero_or_negative_is_refused_like_the_two_function_form(form):
 
 
 @pytest.mark.real_backend  # the C and Numba code paths (LazyStep, Gemm with beta = 0), compiled
-@pytest.mark.parametrize("lazy", [True, False])
-@pytest.mark.parametrize("mode", [None, "CVM"])
+@pytest.mark.parametrize(("mode", "lazy"), [(None, False), ("CVM", False), ("CVM", True)])
 def test_buffer_does_not_carry_nan_into_the_next_window(mode, lazy):
     """Was: the lazy reset 0 * NaN kept a NaN batch in the buffer for good.
 
     lazy=True: the stepping call writes zeros into the buffers (LazyStep's
     fill). lazy=False: W's buffer is reset inside an in-place Gemm (beta = 0
     on a window's first call), the bias's by an elementwise select. Each must
-    drop the NaN.
+    drop the NaN. (LazyStep's fill under Numba: ``test_fast_ops``.)
     """
     m = Model()
     upd = with_accumulated_gradients(m.loss, m.params, 2, L.sgd, learning_rate=0.1, lazy=lazy)

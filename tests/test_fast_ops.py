@@ -359,7 +359,7 @@ def test_lazy_step_op_on_its_own(dtype):
         _close(state.get_value(), np.arange(4.0) * 0.5 - 0.25, dtype, what=mode)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ["float64"])  # the fill is the same code in either dtype
 def test_lazy_step_zeroes_its_zero_states_after_reading_them(dtype):
     """A state in ``zeros`` is read by the inner graph, then filled with zeros
     (what the single-function form's buffers get on a stepping call); not on
