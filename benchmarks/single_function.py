@@ -42,35 +42,33 @@ import time
 import pytensor
 from pytensor.compile.mode import get_mode
 
-from common import PROTO, available_modes, batch, load_average, median, mlp
+from common import LR, PROTO, available_modes, batch, load_average, median, mlp
 
 from lasagne_accum import accumulate_gradients, adam, with_accumulated_gradients
 
 VARIANTS = ("lazy", "select", "ifelse", "switch")
 
 
+def two_function(mode, dtype):
+    """The two-function form on its own parameters: (accumulate, apply with the reset)."""
+    (x, y), params, loss = mlp(dtype)
+    acc = accumulate_gradients(loss, params)
+    apply = adam(acc.grads, params, LR)
+    apply.update(acc.reset)
+    return (pytensor.function([x, y], loss, updates=acc.accumulate, mode=mode),
+            pytensor.function([], [], updates=apply, mode=mode))
+
+
 def build(mode, dtype, every):
-    out = {}
-    (x, y), params, loss = mlp(dtype)
-    acc = accumulate_gradients(loss, params)
-    apply = adam(acc.grads, params, 1e-3)
-    apply.update(acc.reset)
-    out["acc"] = pytensor.function([x, y], loss, updates=acc.accumulate, mode=mode)
-    out["apply"] = pytensor.function([], [], updates=apply, mode=mode)
-    # "control": an identical two-function pair on its own parameters
-    (x, y), params, loss = mlp(dtype)
-    acc = accumulate_gradients(loss, params)
-    apply = adam(acc.grads, params, 1e-3)
-    apply.update(acc.reset)
-    out["acc2"] = pytensor.function([x, y], loss, updates=acc.accumulate, mode=mode)
-    out["apply2"] = pytensor.function([], [], updates=apply, mode=mode)
+    out = {"base": two_function(mode, dtype),
+           "control": two_function(mode, dtype)}  # its identical twin
     # "ifelse": the lazy form as PyTensor compiles it without the library's LazyStep rewrite
     plain = get_mode(mode).excluding("lasagne_accum_lazy_step_c", "lasagne_accum_lazy_step_numba")
     select = get_mode(mode).excluding("lasagne_accum_gemm_reset")
     for variant, lazy, m in (("lazy", True, mode), ("select", True, select),
                              ("ifelse", True, plain), ("switch", False, mode)):
         (x, y), params, loss = mlp(dtype)
-        upd = with_accumulated_gradients(loss, params, every, adam, lazy=lazy, learning_rate=1e-3)
+        upd = with_accumulated_gradients(loss, params, every, adam, lazy=lazy, learning_rate=LR)
         out[variant] = pytensor.function([x, y], loss, updates=upd, mode=m)
     return out
 
@@ -95,19 +93,18 @@ def measure(fns, data, every, rounds, rng):
             kind = "step" if c == every - 1 else "non-step"
             took = {}
             for unit in rng.permutation(units):
-                if unit in ("base", "control"):
-                    suffix = "" if unit == "base" else "2"
-                    s = clock(); fns["acc" + suffix](*data); a = clock() - s
-                    took[unit] = a
-                    if kind == "step":
-                        s = clock(); fns["apply" + suffix](); p = clock() - s
-                        took[unit] += p
-                    if unit == "base":
-                        t["acc"].append(a)
-                        if kind == "step":
-                            t["apply"].append(p)
-                else:
+                if unit in VARIANTS:
                     s = clock(); fns[unit](*data); took[unit] = clock() - s
+                    continue
+                accumulate, apply = fns[unit]
+                s = clock(); accumulate(*data); took[unit] = a = clock() - s
+                if unit == "base":
+                    t["acc"].append(a)
+                if kind == "step":
+                    s = clock(); apply(); p = clock() - s
+                    took[unit] += p
+                    if unit == "base":
+                        t["apply"].append(p)
             for unit in units[1:]:
                 t[f"{unit}-{kind}"].append(took[unit])
                 ratio[f"{unit}-{kind}"].append(took[unit] / took["base"])
@@ -117,7 +114,8 @@ def measure(fns, data, every, rounds, rng):
 
 
 def run_one(mode, args):
-    """Build and time one backend in this process; the result dict (None: it cannot compile)."""
+    """Build and time one backend in this process: :func:`measure`'s dict, or
+    ``{"skipped": why}`` when the backend cannot compile these graphs."""
     import numpy as np
 
     data = batch(args.dtype)

@@ -111,6 +111,17 @@ def register_numba_gemm_rewrite():
     _registered.add("gemm-rewrite")
 
 
+def _is_scalar_zero(v):
+    """``v`` is a scalar constant 0 (after PyTensor's constant folding of casts and fills)."""
+    import pytensor.tensor as pt
+    from pytensor.tensor.exceptions import NotScalarConstantError
+
+    try:
+        return bool(pt.get_underlying_scalar_constant_value(v) == 0)
+    except NotScalarConstantError:
+        return False
+
+
 # --------------------------------------------------------------------------
 # rewrite: Gemm(select(fresh, 0, acc), ...) -> Gemm(acc, ..., beta=select(fresh, 0, beta))
 # --------------------------------------------------------------------------
@@ -121,13 +132,6 @@ def _gemm_reset_rewrite():
     from pytensor.scalar.basic import Switch
     from pytensor.tensor.blas import Gemm
     from pytensor.tensor.elemwise import Elemwise
-    from pytensor.tensor.exceptions import NotScalarConstantError
-
-    def is_zero(v):
-        try:
-            return bool(pt.get_underlying_scalar_constant_value(v) == 0)
-        except NotScalarConstantError:
-            return False
 
     @node_rewriter([Gemm])
     def local_gemm_select_reset(fgraph, node):
@@ -142,9 +146,9 @@ def _gemm_reset_rewrite():
             return None
         flag = cond.dimshuffle([]) if cond.type.ndim else cond
         zero = np.zeros((), beta.type.dtype)
-        if is_zero(if_true) and if_false.type == z.type:
+        if _is_scalar_zero(if_true) and if_false.type == z.type:
             kept, new_beta = if_false, pt.switch(flag, zero, beta)
-        elif is_zero(if_false) and if_true.type == z.type:
+        elif _is_scalar_zero(if_false) and if_true.type == z.type:
             kept, new_beta = if_true, pt.switch(flag, beta, zero)
         else:
             return None
@@ -568,18 +572,13 @@ def _lazy_step_rewrite():
     from pytensor.graph.rewriting.basic import node_rewriter
     from pytensor.ifelse import IfElse
     from pytensor.tensor.basic import Alloc
-    from pytensor.tensor.exceptions import NotScalarConstantError
 
     def is_zeros(v):
         """``v`` is a constant zero or an ``Alloc`` of one (``pt.zeros(shape)``)."""
         if isinstance(v, Constant):
             return bool(np.all(np.asarray(v.data) == 0))
-        if v.owner is None or not isinstance(v.owner.op, Alloc):
-            return False
-        try:
-            return bool(pt.get_underlying_scalar_constant_value(v.owner.inputs[0]) == 0)
-        except NotScalarConstantError:
-            return False
+        return v.owner is not None and isinstance(v.owner.op, Alloc) and _is_scalar_zero(
+            v.owner.inputs[0])
 
     def may_overwrite(fgraph, state):
         """A shared variable's value, or a value computed in the call that no output shows."""
