@@ -31,11 +31,13 @@
   new values as an inner graph, runs it only when the step happens, writes the
   results into the state buffers themselves (the inner graph is compiled with
   the states as mutable inputs, so the rule runs in place) and fills the
-  states whose new value is zeros. C modes: the op's thunk calls the inner
-  graph compiled by PyTensor's Numba backend (its elementwise loops are the
-  faster ones; C when numba is missing); Numba: the inner function sits
-  behind an ``if`` in the compiled code (:func:`register_numba_lazy_step`).
-  JAX and PyTorch keep the ``IfElse``.
+  states whose new value is zeros. The rewrite runs before elementwise
+  fusion, so no part of the rule is fused into the accumulation's loops (and
+  run on every call). C modes: the op's thunk calls the inner graph compiled
+  by PyTensor's Numba backend (its elementwise loops are the faster ones; C
+  when numba is missing); Numba: the inner function sits behind an ``if`` in
+  the compiled code (:func:`register_numba_lazy_step`). JAX and PyTorch keep
+  the ``IfElse``.
 
 All are registered by :func:`lasagne_accum.backends.install` when the library
 is imported (the Numba implementations once PyTensor loads its Numba dispatch).
@@ -652,11 +654,13 @@ def register_lazy_step_rewrite():
     from pytensor.graph.rewriting.basic import dfs_rewriter
 
     rewrite = _lazy_step_rewrite()
-    # after fusion and the destroy handler (49.5), before the in-place passes (50+)
+    # before elementwise fusion (48-49): fused first, the bias rules' loops would also
+    # compute the accumulation (needed every call) and so stay outside the op; the
+    # in-place passes (50+) then see the op's destroy_map
     optdb.register("lasagne_accum_lazy_step_c", dfs_rewriter(rewrite), "fast_run", "cxx_only",
-                   "inplace", position=49.6)
+                   "inplace", position=47.5)
     optdb.register("lasagne_accum_lazy_step_numba", dfs_rewriter(rewrite), "numba",
-                   position=49.6)
+                   position=47.5)
     _registered.add("lazy-rewrite")
 
 

@@ -337,6 +337,27 @@ def test_lazy_step_replaces_ifelse_and_is_exact(dtype, mode):
         _close(got, W_plain.get_value(), dtype)  # the same as PyTensor's IfElse
 
 
+def test_lazy_step_holds_the_whole_rule():
+    """Nothing of the rule runs outside the op: the optimizer's states (moments,
+    step count) are read by ``LazyStep`` alone, and the rule's bias-correction
+    factor is not computed on every call. Before the rewrite ran ahead of
+    elementwise fusion, a bias's Adam update was fused into the loop that
+    accumulates its gradient, and ran on every call."""
+    W = pytensor.shared(np.linspace(-1, 1, 12).reshape(4, 3), name="W")
+    b = pytensor.shared(np.zeros(3), name="b")
+    x, y = pt.matrix("x"), pt.matrix("y")
+    loss = 0.5 * ((pt.maximum(x @ W + b, 0) - y) ** 2).sum()
+    upd = la.adam(loss, [W, b], learning_rate=0.05, average=3)
+    f = pytensor.function([x, y], loss, updates=upd, mode="CVM")
+    fg = f.maker.fgraph
+    shared = {i.variable.name: fg.inputs[k] for k, i in enumerate(f.maker.inputs)}
+    rule_states = [n for n in shared if n.endswith((".adam_m", ".adam_v")) or n == "adam.t"]
+    assert len(rule_states) == 5
+    for name in rule_states:
+        readers = {type(node.op).__name__ for node, _ in fg.clients[shared[name]]}
+        assert readers == {"LazyStep"}, (name, readers)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_lazy_step_op_on_its_own(dtype):
     """LazyStep's C-thunk path (perform) and the Numba one, against numpy, both branches."""
