@@ -603,15 +603,11 @@ def _lazy_step_rewrite():
         zeros = [i for i, v in enumerate(new_values) if is_zeros(v)]
         computed = [v for i, v in enumerate(new_values) if i not in zeros]
         inner = _exclusive_subgraph(fgraph, node, computed)
+        # what the inner graph reads from outside: its nodes' inputs, and the new
+        # values computed outside it (or a state itself)
         outer_inputs = list(states)
-        for nd in inner:
-            for v in nd.inputs:
-                if (v.owner not in inner and not isinstance(v, Constant)
-                        and v not in outer_inputs):
-                    outer_inputs.append(v)
-        for v in computed:  # a new value computed outside (or a state itself)
-            if (v.owner not in inner and not isinstance(v, Constant)
-                    and v not in outer_inputs):
+        for v in [v for nd in inner for v in nd.inputs] + computed:
+            if v.owner not in inner and not isinstance(v, Constant) and v not in outer_inputs:
                 outer_inputs.append(v)
         inner_inputs = [v.type() for v in outer_inputs]
         inner_outputs = clone_replace(computed, replace=dict(zip(outer_inputs, inner_inputs)))
