@@ -12,6 +12,13 @@
   gradient of a float32 model comes back float64 and, through the update,
   silently turns the float32 shared variables into float64 ones. The fix
   casts each reduction's result to the dtype of its output variable.
+  Likewise PyTensor hands JAX a 0-d constant as a Python number, which JAX
+  takes as float64: ``Alloc`` (``pt.zeros(shape, dtype="float32")``) then
+  broadcast float64 zeros, so the single-function form's ``ifelse`` got a
+  float64 branch beside the float32 buffers and JAX refused to trace it; and
+  a 0-d constant output (the two-function reset of a float32 scalar, such as
+  the weight total) came back float64 through ``DeepCopyOp``. The fix casts
+  their value to the output's dtype first.
 * PyTorch: the scalar ``Pow`` and ``Mod`` ops are mapped to ``torch.power``
   and ``torch.mod``, which do not exist (``torch.pow``, ``torch.remainder``);
   ``EQ`` is mapped to ``torch.equal``, which compares whole tensors and returns
@@ -69,11 +76,15 @@ def register_c_fixes():
 
 
 def register_jax_fixes():
-    """Cast every reduction to its output dtype (idempotent; imports jax)."""
+    """Keep every reduction, ``Alloc`` and ``DeepCopyOp`` in its output dtype (idempotent; imports jax)."""
     if "jax" in _registered:
         return
-    from pytensor.link.jax.dispatch.basic import jax_funcify
+    import jax.numpy as jnp
+    from pytensor.compile.ops import DeepCopyOp
+    from pytensor.link.jax.dispatch.basic import jax_funcify, jax_funcify_DeepCopyOp
     from pytensor.link.jax.dispatch.elemwise import jax_funcify_CAReduce
+    from pytensor.link.jax.dispatch.tensor_basic import jax_funcify_Alloc
+    from pytensor.tensor.basic import Alloc
     from pytensor.tensor.elemwise import CAReduce
 
     @jax_funcify.register(CAReduce)
@@ -88,6 +99,24 @@ def register_jax_fixes():
 
         return careduce
 
+    def value_in_output_dtype(original):
+        """PyTensor's implementation, its first input cast to the output's dtype."""
+
+        def funcify(op, node, **kwargs):
+            inner = original(op, node=node, **kwargs)
+            dtype = getattr(node.outputs[0].type, "dtype", None)
+            if dtype is None:  # not a tensor (a random generator, say)
+                return inner
+
+            def cast_first(x, *rest):
+                return inner(jnp.asarray(x, dtype=dtype), *rest)
+
+            return cast_first
+
+        return funcify
+
+    jax_funcify.register(Alloc)(value_in_output_dtype(jax_funcify_Alloc))
+    jax_funcify.register(DeepCopyOp)(value_in_output_dtype(jax_funcify_DeepCopyOp))
     _registered.add("jax")
 
 

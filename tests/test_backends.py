@@ -170,13 +170,37 @@ def test_every_rule_agrees_float64(mode):
     _assert_close(got, _reference(_run_plain, rules, "float64"), "float64")
 
 
+def _run_float32(rules, dtype, mode):
+    """The rules as in :func:`_run_plain`, and beside them in the same graph Adam
+    through ``average=3``, which steps on the third call: its ``ifelse`` selects the
+    rule's values and the buffers' zeros, and JAX wants both branches in one dtype."""
+    x, y, models = _models(rules, dtype)
+    upd, losses = {}, []
+    for rule, (params, loss) in models.items():
+        upd.update(getattr(la, rule)(loss, params, **RULES[rule]))
+        losses.append(loss)
+    params, loss = _model(dtype, "single.", (x, y))[2:]
+    upd.update(la.adam(loss, params, average=3, name="single.average", **RULES["adam"]))
+    f = pytensor.function([x, y], [*losses, loss], updates=upd, mode=mode)
+    for batch in _data(dtype, 3):
+        f(*batch)
+    return _host(upd)
+
+
+def _expected_dtype(name):
+    if name.endswith((".t", ".count")):
+        return np.int64  # step and window counters
+    return np.bool_ if name.endswith(".zeroed") else np.float32
+
+
 @pytest.mark.parametrize("mode", BACKENDS)
 def test_float32_agrees_and_stays_float32(mode):
     rules = ["adam", "momentum"]
-    got = _run_plain(rules, "float32", mode)
-    for name, value in got.items():   # float32 state stays float32; step counters are int64
-        assert value.dtype == (np.int64 if name.endswith(".t") else np.float32), name
-    _assert_close(got, _reference(_run_plain, rules, "float32"), "float32")
+    got = _run_float32(rules, "float32", mode)
+    assert any(name.startswith("single.") and name.endswith("grad_accu") for name in got)
+    for name, value in got.items():   # float32 state stays float32
+        assert value.dtype == _expected_dtype(name), name
+    _assert_close(got, _reference(_run_float32, rules, "float32"), "float32")
 
 
 @pytest.mark.parametrize("mode", BACKENDS)
@@ -194,6 +218,25 @@ def test_single_function_form_agrees(mode):
     rules = ["adam", "rmsprop"]
     _assert_close(_run_single_function(rules, "float64", mode),
                   _reference(_run_single_function, rules, "float64"), "float64")
+
+
+@pytest.mark.skipif(not _installed("jax"), reason="jax not installed")
+def test_jax_two_function_reset_stays_float32():
+    """The reset writes constants: zeros broadcast to a buffer's shape (``Alloc``) and,
+    for the 0-d weight total, the constant itself (``DeepCopyOp``). PyTensor hands JAX
+    a 0-d constant as a Python number, which JAX takes as float64."""
+    x, y, params, loss = _model("float32")
+    acc = la.accumulate_gradients(loss, params, weight=x.shape[0])
+    step = pytensor.function([x, y], [], updates=acc.accumulate, mode="JAX")
+    reset = pytensor.function([], [], updates=acc.reset, mode="JAX")
+    for batch in _data("float32", 2):
+        step(*batch)
+    reset()
+    got = {v.name: np.asarray(v.get_value()) for v in acc.reset}
+    assert {name: v.dtype for name, v in got.items()} == {
+        "W.grad_accu": np.float32, "b.grad_accu": np.float32,
+        "accumulate.total": np.float32, "accumulate.count": np.int64}
+    assert not any(v.any() for v in got.values())
 
 
 @pytest.mark.skipif(not _installed("jax"), reason="jax not installed")
