@@ -18,7 +18,7 @@
   float64 branch beside the float32 buffers and JAX refused to trace it; and
   a 0-d constant output (the two-function reset of a float32 scalar, such as
   the weight total) came back float64 through ``DeepCopyOp``. The fix casts
-  their value to the output's dtype first.
+  their result to the output's dtype too.
 * PyTorch: the scalar ``Pow`` and ``Mod`` ops are mapped to ``torch.power``
   and ``torch.mod``, which do not exist (``torch.pow``, ``torch.remainder``);
   ``EQ`` is mapped to ``torch.equal``, which compares whole tensors and returns
@@ -76,10 +76,12 @@ def register_c_fixes():
 
 
 def register_jax_fixes():
-    """Keep every reduction, ``Alloc`` and ``DeepCopyOp`` in its output dtype (idempotent; imports jax)."""
+    """Keep reductions, ``Alloc`` and ``DeepCopyOp`` in their output dtype (idempotent).
+
+    Imports jax.
+    """
     if "jax" in _registered:
         return
-    import jax.numpy as jnp
     from pytensor.compile.ops import DeepCopyOp
     from pytensor.link.jax.dispatch.basic import jax_funcify, jax_funcify_DeepCopyOp
     from pytensor.link.jax.dispatch.elemwise import jax_funcify_CAReduce
@@ -87,36 +89,25 @@ def register_jax_fixes():
     from pytensor.tensor.basic import Alloc
     from pytensor.tensor.elemwise import CAReduce
 
-    @jax_funcify.register(CAReduce)
-    def _jax_funcify_careduce(op, node=None, **kwargs):
-        reduce = jax_funcify_CAReduce(op, node=node, **kwargs)
-        if node is None:
-            return reduce
-        out_dtype = node.outputs[0].type.dtype
+    def in_output_dtype(original):
+        """PyTensor's implementation (with its checks), its result cast to the output's dtype."""
 
-        def careduce(x):
-            return reduce(x).astype(out_dtype)
-
-        return careduce
-
-    def value_in_output_dtype(original):
-        """PyTensor's implementation, its first input cast to the output's dtype."""
-
-        def funcify(op, node, **kwargs):
+        def funcify(op, node=None, **kwargs):
             inner = original(op, node=node, **kwargs)
-            dtype = getattr(node.outputs[0].type, "dtype", None)
-            if dtype is None:  # not a tensor (a random generator, say)
+            dtype = getattr(node.outputs[0].type, "dtype", None) if node is not None else None
+            if dtype is None:  # no node to read it from, or not a tensor (a random generator)
                 return inner
 
-            def cast_first(x, *rest):
-                return inner(jnp.asarray(x, dtype=dtype), *rest)
+            def cast(*inputs):
+                return inner(*inputs).astype(dtype)
 
-            return cast_first
+            return cast
 
         return funcify
 
-    jax_funcify.register(Alloc)(value_in_output_dtype(jax_funcify_Alloc))
-    jax_funcify.register(DeepCopyOp)(value_in_output_dtype(jax_funcify_DeepCopyOp))
+    for op_class, original in ((CAReduce, jax_funcify_CAReduce), (Alloc, jax_funcify_Alloc),
+                               (DeepCopyOp, jax_funcify_DeepCopyOp)):
+        jax_funcify.register(op_class)(in_output_dtype(original))
     _registered.add("jax")
 
 

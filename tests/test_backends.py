@@ -95,12 +95,18 @@ def _models(rules, dtype):
     return x, y, {rule: _model(dtype, f"{rule}.", (x, y))[2:] for rule in rules}
 
 
-def _run_plain(rules, dtype, mode):
+def _plain_updates(rules, dtype):
+    """Each rule on its own model, applied directly: inputs, updates and losses."""
     x, y, models = _models(rules, dtype)
     upd, losses = {}, []
     for rule, (params, loss) in models.items():
         upd.update(getattr(la, rule)(loss, params, **RULES[rule]))
         losses.append(loss)
+    return x, y, upd, losses
+
+
+def _run_plain(rules, dtype, mode):
+    x, y, upd, losses = _plain_updates(rules, dtype)
     f = pytensor.function([x, y], losses, updates=upd, mode=mode)
     for batch in _data(dtype, 3):
         f(*batch)
@@ -174,11 +180,7 @@ def _run_float32(rules, dtype, mode):
     """The rules as in :func:`_run_plain`, and beside them in the same graph Adam
     through ``average=3``, which steps on the third call: its ``ifelse`` selects the
     rule's values and the buffers' zeros, and JAX wants both branches in one dtype."""
-    x, y, models = _models(rules, dtype)
-    upd, losses = {}, []
-    for rule, (params, loss) in models.items():
-        upd.update(getattr(la, rule)(loss, params, **RULES[rule]))
-        losses.append(loss)
+    x, y, upd, losses = _plain_updates(rules, dtype)
     params, loss = _model(dtype, "single.", (x, y))[2:]
     upd.update(la.adam(loss, params, average=3, name="single.average", **RULES["adam"]))
     f = pytensor.function([x, y], [*losses, loss], updates=upd, mode=mode)
