@@ -86,6 +86,89 @@ def np_grads(W, b, X, Y):
     return [X.T @ dz, dz.sum(axis=0)]
 
 
+U32 = 2.0 ** -24  # unit roundoff of float32
+
+
+def _gamma(n):
+    """Higham's gamma_n = n u / (1 - n u): the relative error bound of an n-term sum."""
+    return n * U32 / (1 - n * U32)
+
+
+def float32_grad_error(W, b, X, Y, n_sums=1):
+    """First-order bound on |g32 - g| for the model's gradient computed in float32.
+
+    A running error analysis of :func:`np_grads`, operation by operation
+    (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., ch. 3):
+    each rounding contributes at most ``U32`` relative, an n-term sum
+    ``_gamma(n)`` times the sum of its terms' magnitudes, and a function's
+    input error passes on times its derivative. `n_sums` extra terms cover a
+    gradient that is summed over batches (weighted, then divided by the total)
+    instead of over one batch. The bound is doubled at the end: the compiled
+    graph orders the same operations differently (gradient of the mean, of the
+    square, of tanh as ``1 - h**2``), which changes the small constants.
+
+    Where a gradient element is a sum of terms that cancel, the bound is much
+    larger than ``U32 * |g|``; a rule that divides by ``sqrt(g**2 + eps)``
+    multiplies it by up to ``1 / sqrt(eps)`` (Adagrad: 1e3).
+    """
+    W, b, X, Y = (np.asarray(a, dtype=np.float64) for a in (W, b, X, Y))
+    n, k = X.shape
+    u, aX = U32, np.abs(X)
+    z = X @ W + b
+    e_z = _gamma(k + 1) * (aX @ np.abs(W) + np.abs(b))
+    h = np.tanh(z)
+    e_h = (1 - h ** 2) * e_z + 2 * u * np.abs(h)  # tanh rounded to within 2 ulp
+    r, s = h - Y, 1 - h ** 2
+    e_r = e_h + u * np.abs(r)
+    e_s = 2 * np.abs(h) * e_h + 2 * u  # h*h, then 1 - h*h; |h| < 1
+    dz = 2.0 * r * s / n
+    e_dz = 2.0 / n * (e_r * s + np.abs(r) * e_s) + 4 * u * np.abs(dz)
+    sums = _gamma(n + n_sums + 1)
+    e_W = aX.T @ e_dz + sums * (aX.T @ np.abs(dz))
+    e_b = e_dz.sum(axis=0) + sums * np.abs(dz).sum(axis=0)
+    return [2 * e_W, 2 * e_b]
+
+
+def step_with_grad_error(rule, params, grads, errors, **hyper):
+    """One float64 step of `rule` from zero state, and how far float32 gradient error moves it.
+
+    Returns ``(values, slack)``: dicts by name ('W', 'b', 'W.adagrad_accu',
+    'adam.t', ...) of the step's parameters and state computed by
+    :func:`reference_step` with float32-rounded hyperparameters, and of the
+    largest change of each when every gradient element moves by up to its
+    `errors` entry. The first step of every rule is monotone in each gradient
+    element, so the two ends ``g - e`` and ``g + e`` bound it.
+    """
+    def run(sign):
+        p = {n: np.asarray(v, dtype=np.float64).copy() for n, v in params.items()}
+        g = {n: np.asarray(grads[n], dtype=np.float64) + sign * errors[n] for n in grads}
+        state = {}
+        reference_step(rule, p, g, state, hyper_dtype="float32", **hyper)
+        return {**p, **state}
+
+    values = run(0.0)
+    ends = run(-1.0), run(1.0)
+    slack = {n: np.max([np.abs(e[n] - values[n]) for e in ends], axis=0) for n in values}
+    return values, slack
+
+
+def assert_close_within(actual, expected, slack, dtype, what=""):
+    """:func:`assert_close`'s tolerance plus a per-element `slack` (dicts by name)."""
+    assert sorted(actual) == sorted(expected), what
+    rtol, atol_rel = TOL[str(np.dtype(dtype))]
+    for name, e in expected.items():
+        a = _value(actual[name])
+        assert a.dtype == np.dtype(dtype) or a.dtype.kind in "iu", f"{what}: {name}: {a.dtype}"
+        assert np.all(np.isfinite(a)), f"{what}: {name}"
+        e = np.asarray(e, dtype=np.float64)
+        bound = rtol * np.abs(e) + atol_rel * float(np.max(np.abs(e))) + slack[name]
+        err = np.abs(a.astype(np.float64) - e)
+        worst = np.unravel_index(np.argmax(err - bound), np.shape(e)) if e.ndim else ()
+        assert np.all(err <= bound), (
+            f"{what}: {name}{list(worst)}: {a[worst]!r} vs {e[worst]!r}, "
+            f"error {err[worst]:.3g} > bound {bound[worst]:.3g} (slack {slack[name][worst]:.3g})")
+
+
 def by_name(variables):
     """{name: variable}, checking that the names are distinct."""
     out = {v.name: v for v in variables}

@@ -30,10 +30,13 @@ from reference import (  # tests/reference.py: tests/ is on sys.path under pytes
     W0,
     Model,
     assert_close,
+    assert_close_within,
     by_name,
     concat,
+    float32_grad_error,
     make_batch,
     np_grads,
+    step_with_grad_error,
     zero,
 )
 
@@ -100,6 +103,27 @@ def check_against_reference(s, dtype, what):
     assert_same_values(by_name(s["acc_state"]), by_name(s["ref_state"]), dtype, what)
 
 
+def check_float32_against_float64_step(s, rule, batches, what):
+    """Both float32 runs against the float64 numpy step, within float32 rounding.
+
+    Two float32 runs that sum the same gradient in different orders differ by
+    its rounding, and where the terms of a gradient element cancel, a rule
+    like Adagrad (step ~ lr * g / sqrt(eps) for small g) multiplies that by up
+    to 1e3 (was: a flaky 1e-5 comparison of the two float32 runs). So each run
+    is compared to the exact (float64) step, with a per-element slack that is
+    the step's change under the gradient's float32 error bound.
+    """
+    X, Y = concat(batches)
+    W, b = W0.astype("float32"), B0.astype("float32")
+    grads = dict(zip(("W", "b"), np_grads(W, b, X, Y)))
+    errors = dict(zip(("W", "b"), float32_grad_error(W, b, X, Y, n_sums=len(batches))))
+    expected, slack = step_with_grad_error(rule, {"W": W, "b": b}, grads, errors, **RULES[rule])
+    for who, params, state in (("accumulated", s["model"].params, s["acc_state"]),
+                               ("large batch", s["ref"].params, s["ref_state"])):
+        assert_close_within(by_name(params + state), expected, slack, "float32",
+                            f"{what} {who}")
+
+
 def assert_buffers_zero(acc):
     for a in acc.accumulators:
         assert not np.any(a.get_value()), a.name
@@ -134,7 +158,11 @@ def test_accumulated_window_equals_large_batch_step(rule, dtype):
         rng = np.random.default_rng(seed)
         batches = [make_batch(rng, k, dtype) for k in sizes]
         run_window(s, batches)
-        check_against_reference(s, dtype, f"{rule}/{dtype} sizes={sizes}")
+        what = f"{rule}/{dtype} sizes={sizes}"
+        if dtype == "float32":
+            check_float32_against_float64_step(s, rule, batches, what)
+        else:
+            check_against_reference(s, dtype, what)
         assert_buffers_zero(s["acc"])
         for p in s["model"].params:
             assert p.get_value().dtype == dtype
