@@ -109,7 +109,7 @@ def float32_grad_error(W, b, X, Y, n_sums=1):
 
     Where a gradient element is a sum of terms that cancel, the bound is much
     larger than ``U32 * |g|``; a rule that divides by ``sqrt(g**2 + eps)``
-    multiplies it by up to ``1 / sqrt(eps)`` (Adagrad: 1e3).
+    multiplies it by up to ``learning_rate / sqrt(eps)`` (Adagrad here: 100).
     """
     W, b, X, Y = (np.asarray(a, dtype=np.float64) for a in (W, b, X, Y))
     n, k = X.shape
