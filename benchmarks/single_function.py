@@ -22,12 +22,13 @@ resolution of the method.
 Every call is timed. At each call position of a window, the baseline, the
 control and the variants run in a random order, and each call's time is
 divided by the baseline's at the same position; the table shows medians.
-Each backend runs in its own processes, one after the other, three times by
-default: a process places its buffers anew, and that alone moves a call's time
-by a few per cent, so one process is one draw. The table gives the median
-over the processes and their range.
+Each backend runs in its own processes, one after the other, five times by
+default: a process places its buffers anew and compiles the units in its own
+random order, and each of these alone moves a call's time by a few per cent
+(:func:`build`), so one process is one draw. The table gives the median over
+the processes and their range.
 
-    python benchmarks/single_function.py [--dtype float32] [--rounds 60] [--processes 3]
+    python benchmarks/single_function.py [--dtype float32] [--rounds 60] [--processes 5]
                                          [--modes CVM NUMBA]
     python benchmarks/single_function.py --quick     # smoke test: C and Numba, 6 rounds, 1 process
 """
@@ -59,17 +60,31 @@ def two_function(mode, dtype):
             pytensor.function([], [], updates=apply, mode=mode))
 
 
-def build(mode, dtype, every):
-    out = {"base": two_function(mode, dtype),
-           "control": two_function(mode, dtype)}  # its identical twin
-    # "ifelse": the lazy form as PyTensor compiles it without the library's LazyStep rewrite
+def build(mode, dtype, every, rng):
+    """Compile every unit, in a random order.
+
+    The order matters: with the baseline built first and its twin second, the
+    twin ran at 0.935-0.977 of the baseline in four processes; built the
+    other way round, at 1.034-1.046 (C, float32). A fixed order would favour
+    whatever is built late, the variants included.
+    """
     plain = get_mode(mode).excluding("lasagne_accum_lazy_step_c", "lasagne_accum_lazy_step_numba")
     select = get_mode(mode).excluding("lasagne_accum_gemm_reset")
-    for variant, lazy, m in (("lazy", True, mode), ("select", True, select),
-                             ("ifelse", True, plain), ("switch", False, mode)):
+    # "ifelse": the lazy form as PyTensor compiles it without the library's LazyStep rewrite
+    variants = {"lazy": (True, mode), "select": (True, select), "ifelse": (True, plain),
+                "switch": (False, mode)}
+
+    def single_function(variant):
+        lazy, m = variants[variant]
         (x, y), params, loss = mlp(dtype)
         upd = with_accumulated_gradients(loss, params, every, adam, lazy=lazy, learning_rate=LR)
-        out[variant] = pytensor.function([x, y], loss, updates=upd, mode=m)
+        return pytensor.function([x, y], loss, updates=upd, mode=m)
+
+    out = {}
+    for unit in rng.permutation(["base", "control", *variants]):
+        # "control" is the baseline's identical twin
+        out[unit] = (two_function(mode, dtype) if unit in ("base", "control")
+                     else single_function(unit))
     return out
 
 
@@ -123,7 +138,7 @@ def run_one(mode, args):
 
     data = batch(args.dtype)
     rng = np.random.default_rng(args.seed)
-    fns = build(mode, args.dtype, args.every)
+    fns = build(mode, args.dtype, args.every, rng)
     measure(fns, data, args.every, 3, rng)  # warm-up (JIT compilation)
     return measure(fns, data, args.every, args.rounds, rng)
 
@@ -134,14 +149,14 @@ def main():
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--rounds", type=int, default=None, help="rounds per process (default 60)")
     p.add_argument("--processes", type=int, default=None,
-                   help="processes per backend (default 3): each lays out its buffers anew")
+                   help="processes per backend (default 5): each lays out its buffers anew")
     p.add_argument("--modes", nargs="*", default=None)
     p.add_argument("--quick", action="store_true", help="C and Numba only, 6 rounds, 1 process")
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.rounds = args.rounds or (6 if args.quick else 60)
-    args.processes = args.processes or (1 if args.quick else 3)
+    args.processes = args.processes or (1 if args.quick else 5)
     modes = args.modes or (["CVM", "NUMBA"] if args.quick else available_modes())
     if args.child:
         print(PROTO + json.dumps(run_one(modes[0], args)))
