@@ -136,8 +136,10 @@ def step_with_grad_error(rule, params, grads, errors, **hyper):
     'adam.t', ...) of the step's parameters and state computed by
     :func:`reference_step` with float32-rounded hyperparameters, and of the
     largest change of each when every gradient element moves by up to its
-    `errors` entry. The first step of every rule is monotone in each gradient
-    element, so the two ends ``g - e`` and ``g + e`` bound it.
+    `errors` entry. From zero state, every rule's first step is monotone in
+    each gradient element, and its state (a multiple of g, of g**2 or |g|)
+    moves farthest from its value at g at one of the ends, so the two ends
+    ``g - e`` and ``g + e`` bound both.
     """
     def run(sign):
         p = {n: np.asarray(v, dtype=np.float64).copy() for n, v in params.items()}
