@@ -110,9 +110,9 @@ def check_float32_against_float64_step(s, rule, batches, what):
     its rounding, and where the terms of a gradient element cancel, a rule
     like Adagrad (step ~ lr * g / sqrt(eps) for small g) multiplies that by
     lr / sqrt(eps), 100 here (was: a flaky 1e-5 comparison of the two float32
-    runs). So each run
-    is compared to the exact (float64) step, with a per-element slack that is
-    the step's change under the gradient's float32 error bound.
+    runs). So each run is compared to the exact (float64) step, with a
+    per-element slack that is the step's change under the gradient's float32
+    error bound.
     """
     X, Y = concat(batches)
     W, b = W0.astype("float32"), B0.astype("float32")
