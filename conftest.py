@@ -75,6 +75,22 @@ def _wants_real_backend(request):
     return os.path.basename(str(getattr(node, "fspath", ""))) in _REAL_MODULES
 
 
+#: The suite compiles PyTensor's C modules against precompiled headers
+#: (:func:`lasagne_accum.training.use_precompiled_headers`): the same object code
+#: (``tests/test_compiling.py``), compiled faster. ``LASAGNE_ACCUM_TEST_PCH=0``
+#: compiles as plain PyTensor does.
+_PCH = os.environ.get("LASAGNE_ACCUM_TEST_PCH", "1") != "0"
+
+
+@pytest.fixture(autouse=True)
+def _precompiled_headers():
+    """Put the suite's choice back before each test (a test or doctest may switch it)."""
+    from lasagne_accum.compiling import use_precompiled_headers
+
+    use_precompiled_headers(_PCH)
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _cheap_compile_mode(request, monkeypatch):
     """Run the test's functions in ``CHEAP_MODE`` (see the module docstring)."""

@@ -18,6 +18,7 @@ import pytensor
 
 from .accumulate import accumulate_gradients
 from .backends import blas_available, default_modes
+from .compiling import use_precompiled_headers
 from .grads import check_every, check_rule_updates
 from .progress import Progress
 
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from ._typing import Params, PathLike, Scalar, UpdateRule, UpdatesLike
 
 __all__ = ["compile_accumulation", "AccumulationTrainer", "run_epoch", "Progress",
-           "default_modes", "blas_available"]
+           "default_modes", "blas_available", "use_precompiled_headers"]
 
 
 class AccumulationTrainer:

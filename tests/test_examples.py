@@ -78,6 +78,23 @@ def test_cross_minibatch_quick_defaults():
     assert (args.epochs, args.lr) == (3, 0.01)
     args = cross_minibatch.parse_args([])
     assert (args.epochs, args.lr) == (cross_minibatch.EPOCHS, cross_minibatch.LR)
+    assert args.no_pch is False and cross_minibatch.parse_args(["--no-pch"]).no_pch is True
+
+
+def test_cross_minibatch_turns_precompiled_headers_on_and_off(tmp_path):
+    from pytensor.link.c.cmodule import GCC_compiler
+
+    from lasagne_accum import compiling
+
+    argv = FAST + ["--model", "mlp", "--epochs", "1", "--train-size", "10", "--rows", "1",
+                   "--out", str(tmp_path), "--no-plot"]
+    compiling.use_precompiled_headers(False)
+    pytensors = GCC_compiler.compile_str
+    cross_minibatch.main(argv)
+    assert (GCC_compiler.compile_str is compiling._compile_str) is bool(
+        compiling._compiler_version())
+    cross_minibatch.main(argv + ["--no-pch"])
+    assert GCC_compiler.compile_str is pytensors
     assert cross_minibatch.parse_args(["--rows", "4,1"]).rows == [4, 1]
     # the data split does not depend on the rows chosen: every epoch uses the
     # first multiple of the largest window of all rows (10)
