@@ -1,12 +1,12 @@
 """Precompiled headers (``lasagne_accum.compiling``) change how fast g++ compiles, not what.
 
-The reference is g++ itself: the same module compiled without the header.
-The object code must match instruction for instruction, and g++'s ``-H``
-report must show that the header was in fact used (``!`` before the
-``.gch``), or the comparison would prove nothing. The end-to-end tests run in
-subprocesses with their own compile directory, so they compile for real
-(this suite's conftest swaps the C modes for Python implementations) and
-leave the suite's own PyTensor untouched.
+The reference is g++ itself: the same module compiled by PyTensor's own
+compile function without the header. The object code must match instruction
+for instruction, and g++ is told to fail if it cannot use the header
+(``-Werror=invalid-pch``), or the comparison would prove nothing. The
+end-to-end tests run in subprocesses with their own compile directory, so
+they compile for real (this suite's conftest swaps the C modes for Python
+implementations) and leave the suite's own PyTensor untouched.
 """
 
 import json
@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytensor.tensor as pt
 import pytest
@@ -27,79 +26,104 @@ from pytensor.link.c.cmodule import GCC_compiler
 from lasagne_accum import compiling
 from lasagne_accum.training import use_precompiled_headers
 
-HAVE_GXX = bool(compiling._compiler_version())
+HAVE_GXX = bool(compiling._gxx_version())
 needs_gxx = pytest.mark.skipif(not HAVE_GXX, reason="PyTensor's C++ compiler is not g++")
 
 
 def _adam_like_module():
-    """Source, flags and include dirs of a C module PyTensor generates for a rule's apply step."""
+    """What PyTensor compiles for a rule's fused apply step: source and compile_str's arguments."""
     p, g, m, v = (pt.dvector(n) for n in "pgmv")
     m2 = 0.9 * m + 0.1 * g
     v2 = 0.999 * v + 0.001 * g ** 2
     out = p - 0.01 * m2 / (pt.sqrt(v2) + 1e-8)
     outs = rewrite_graph([out, m2, v2], include=("fast_run",), exclude=("inplace",))   # fused
     linker = CLinker().accept(FunctionGraph([p, g, m, v], outs, clone=True))
-    return linker.get_src_code(), linker.compile_args(), linker.header_dirs()
+    return linker.get_src_code(), dict(include_dirs=linker.header_dirs(),
+                                       lib_dirs=linker.lib_dirs(), libs=linker.libraries(),
+                                       preargs=linker.compile_args())
 
 
-def _gxx(cmd, *args, cwd):
-    done = subprocess.run([*cmd, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stderr
-
-
-def _disassembly(obj):
-    text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", obj], capture_output=True,
+def _disassembly(lib):
+    text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", lib], capture_output=True,
                           text=True, check=True).stdout
-    return text.split("\n", 3)[3]   # without the line that names the file
+    return text.replace(lib, "")   # the line naming the file
 
 
 @needs_gxx
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="needs binutils' objdump")
-def test_same_object_code_with_and_without_the_header(tmp_path):
-    src, preargs, dirs = _adam_like_module()
-    assert src.startswith(compiling.HEADER_TEXT.splitlines()[0])
-    (tmp_path / "mod.cpp").write_text(src)
-    cmd = compiling.compile_command(preargs, dirs)
+def test_same_object_code_with_and_without_the_header(tmp_path, monkeypatch):
+    """Through PyTensor's own compile command, with g++ told to fail if it cannot use the header."""
+    src, kwargs = _adam_like_module()
+    assert len(compiling.include_block(src)) == 8   # the full block: Elemwise's too
+    kwargs["preargs"] = [*kwargs["preargs"], "-Werror=invalid-pch"]
+    use_precompiled_headers(False)
+    pytensors = GCC_compiler.compile_str
+    assert pytensors.__qualname__ == "GCC_compiler.compile_str"
     header = str(tmp_path / "pch" / "pytensor_headers.h")
-    assert compiling.build(cmd, header)
+    monkeypatch.setattr(compiling, "header_path", lambda cmd, block: header)
+    monkeypatch.setattr(compiling, "BUILD_ON_MODULE", 1)   # build for the first module
+    monkeypatch.setattr(compiling, "_headers", {})
+    monkeypatch.setattr(compiling, "_seen", {})
+    monkeypatch.setattr(compiling, "counts", {"header": 0, "plain": 0, "fallback": 0})
+
+    for where, compile_str in (("plain", pytensors), ("header", compiling._compile_str)):
+        os.mkdir(tmp_path / where)
+        compile_str("m", src, location=str(tmp_path / where), py_module=False, **kwargs)
+    assert compiling.counts == {"header": 1, "plain": 0, "fallback": 0}   # no fallback
     assert compiling.fresh(header)
+    assert open(header).read() == src[:len(open(header).read())]   # the module's own lines
 
-    _gxx(cmd, "-c", "mod.cpp", "-o", "plain.o", cwd=tmp_path)
-    report = _gxx(cmd, "-H", "-Winvalid-pch", "-include", header, "-c", "mod.cpp",
-                  "-o", "header.o", cwd=tmp_path)
-    assert f"! {header}.gch" in report.splitlines(), report[:2000]   # used, not read as text
-
-    plain, with_header = (_disassembly(str(tmp_path / o)) for o in ("plain.o", "header.o"))
+    plain, with_header = (_disassembly(str(next((tmp_path / w).glob("m.*"))))
+                          for w in ("plain", "header"))
     assert plain.count("\n") > 100   # a real module, not an empty one
     assert plain == with_header
 
 
-def test_stale_or_missing_dependencies_mean_rebuild(tmp_path):
-    header = tmp_path / "pytensor_headers.h"
+def test_include_block():
+    known = "\n".join(["#include <Python.h>", "#include <vector>"])
+    assert compiling.include_block(known + "\nint x;\n") == ("#include <Python.h>",
+                                                              "#include <vector>")
+    assert compiling.include_block("#include <iostream>\n" + known) == ()   # not a known one
+    assert compiling.include_block("int x;\n" + known) == ()   # not leading
+    assert compiling.include_block("") == ()
+
+
+def test_changed_or_missing_dependencies_mean_rebuild(tmp_path):
+    header = str(tmp_path / "pytensor_headers.h")
     dep = tmp_path / "dep.h"
-    dep.write_text("")
-    assert not compiling.fresh(str(header))   # nothing built
+    dep.write_text("int a;")
+    assert not compiling.fresh(header)   # nothing built
     (tmp_path / "pytensor_headers.h.gch").write_bytes(b"built")
-    assert not compiling.fresh(str(header))   # no dependency list
-    (tmp_path / "pytensor_headers.h.d").write_text(f"x.gch: {header} \\\n {dep}\n")
-    header.write_text("")
-    old = time.time() - 100
-    for f in (header, dep):
-        os.utime(f, (old, old))
-    assert compiling.fresh(str(header))
-    os.utime(dep)   # a header it was built from changed since
-    assert not compiling.fresh(str(header))
-    os.utime(dep, (old, old))
+    assert not compiling.fresh(header)   # no dependency list
+    stamps = tmp_path / "pytensor_headers.h.deps"
+    stamps.write_text(json.dumps({str(dep): compiling._stamp(str(dep))}))
+    assert compiling.fresh(header)
+    mtime = dep.stat().st_mtime_ns
+    os.utime(dep, ns=(mtime, mtime - 10 ** 9))   # an older time, as a package may install
+    assert not compiling.fresh(header)
+    os.utime(dep, ns=(mtime, mtime))
+    assert compiling.fresh(header)
+    (tmp_path / "new.h").write_text("int b;")   # installed as a new file: same size and time
+    os.utime(tmp_path / "new.h", ns=(mtime, mtime))
+    os.replace(tmp_path / "new.h", dep)
+    assert not compiling.fresh(header)   # (another inode)
+    stamps.write_text(json.dumps({str(dep): compiling._stamp(str(dep))}))
+    assert compiling.fresh(header)
+    dep.write_text("long b;")   # another size
+    os.utime(dep, ns=(mtime, mtime))
+    assert not compiling.fresh(header)
     dep.unlink()
-    assert not compiling.fresh(str(header))   # a dependency is gone
-    (tmp_path / "pytensor_headers.h.d").write_text("x.gch:\n")
-    assert not compiling.fresh(str(header))   # an empty list proves nothing
+    assert not compiling.fresh(header)   # gone
+    stamps.write_text("{}")
+    assert not compiling.fresh(header)   # an empty list proves nothing
+    stamps.write_text("not json")
+    assert not compiling.fresh(header)
 
 
 def test_bad_input_and_turning_it_off():
     use_precompiled_headers(False)
     pytensors = GCC_compiler.compile_str
+    assert pytensors.__qualname__ == "GCC_compiler.compile_str"   # PyTensor's own
     with pytest.raises(TypeError, match="enable must be a bool, got str"):
         use_precompiled_headers("yes")
     assert GCC_compiler.compile_str is pytensors   # nothing changed
@@ -111,14 +135,28 @@ def test_bad_input_and_turning_it_off():
     # (conftest's fixture puts the suite's choice back for the next test)
 
 
-def test_other_compilers_are_left_alone(tmp_path):
+def _fake_compiler(path, banner):
+    path.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then printf '%s\\n' "
+                    + " ".join(f"'{line}'" for line in banner) + "; else echo 12.2.0; fi\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_only_gxx(tmp_path, monkeypatch):
     """clang reads ``.gch`` files its own way; a missing compiler has no version."""
-    fake = tmp_path / "clang++"
-    fake.write_text("#!/bin/sh\necho 'clang version 17.0.6'\n")
-    fake.chmod(0o755)
-    assert compiling._version_of(str(fake)) == ""
-    assert compiling._version_of(str(tmp_path / "no-such-compiler")) == ""
-    assert compiling._version_of("") == ""
+    gxx = _fake_compiler(tmp_path / "g++", ["g++ (Debian 12.2.0-14) 12.2.0",
+                                            "Copyright (C) 2022 Free Software Foundation, Inc."])
+    clang = _fake_compiler(tmp_path / "clang++", ["Debian clang version 14.0.6",
+                                                  "Target: x86_64-pc-linux-gnu"])
+    assert compiling._gxx_version_of(gxx) == "g++ (Debian 12.2.0-14) 12.2.0 12.2.0"
+    assert compiling._gxx_version_of(clang) == ""
+    assert compiling._gxx_version_of(str(tmp_path / "no-such-compiler")) == ""
+    assert compiling._gxx_version_of("") == ""
+    use_precompiled_headers(False)
+    pytensors = GCC_compiler.compile_str
+    monkeypatch.setattr(compiling, "_gxx_version", lambda: "")
+    assert use_precompiled_headers() is False
+    assert GCC_compiler.compile_str is pytensors
 
 
 # ---------------------------------------------------------------- end to end
