@@ -229,7 +229,7 @@ def main(argv=None):
           f"({side}x{side}), Lasagne's momentum; lr={decimal(args.lr)}, "
           f"small lr={decimal(small_lr)}; {args.epochs} epochs per row", flush=True)
     # g++ parses Python's and numpy's headers once, not once per C module
-    # (lasagne_accum.training.use_precompiled_headers: a cold run ~20% faster)
+    # (lasagne_accum.training.use_precompiled_headers: cold runs about 17% faster)
     use_precompiled_headers(not args.no_pch)
     start = time.perf_counter()
     experiment = Experiment(args, side, (data[0][:1], data[1][:1]))

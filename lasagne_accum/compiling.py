@@ -93,7 +93,8 @@ def use_precompiled_headers(enable: bool = True) -> bool:
     Notes
     -----
     The cold run of ``examples/cross_minibatch.py --quick`` (48 C modules)
-    took 17-24% less time with it (README, "Precompiled headers"). The
+    took 4-25% less time with it in four paired runs, 17-18% in the middle
+    two (README, "Precompiled headers"). The
     objects are the same: ``tests/test_compiling.py`` compiles a module
     through PyTensor's compile command both ways, with g++ told to fail if
     it cannot use the header, and compares the disassembly. If g++ fails on
