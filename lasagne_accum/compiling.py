@@ -94,8 +94,7 @@ def use_precompiled_headers(enable: bool = True) -> bool:
     -----
     The cold run of ``examples/cross_minibatch.py --quick`` (48 C modules)
     took 4-25% less time with it in four paired runs, 17-18% in the middle
-    two (README, "Precompiled headers"). The
-    objects are the same: ``tests/test_compiling.py`` compiles a module
+    two (README, "Precompiled headers"). The objects are the same: ``tests/test_compiling.py`` compiles a module
     through PyTensor's compile command both ways, with g++ told to fail if
     it cannot use the header, and compares the disassembly. If g++ fails on
     the header itself (say, an unreadable ``.gch``), the module is compiled
@@ -294,7 +293,8 @@ def build(cmd: list[str], header: str, block: tuple[str, ...]) -> bool:
             return False
         with open(tmp + ".d") as f:   # make's format: "target: dep dep \<newline> dep"
             names = f.read().replace("\\\n", " ").partition(":")[2].replace("\\ ", "\0")
-        stamps = {n.replace("\0", " "): _stamp(n.replace("\0", " ")) for n in names.split()}
+        paths = [n.replace("\0", " ") for n in names.split()]
+        stamps = {p: _stamp(p) for p in paths}
         with open(tmp + ".deps", "w") as f:
             json.dump(stamps, f)
         os.replace(tmp + ".deps", header + ".deps")
