@@ -76,18 +76,23 @@ def _wants_real_backend(request):
 
 
 #: The suite compiles PyTensor's C modules against precompiled headers
-#: (:func:`lasagne_accum.training.use_precompiled_headers`): the same object code
-#: (``tests/test_compiling.py``), compiled faster. ``LASAGNE_ACCUM_TEST_PCH=0``
-#: compiles as plain PyTensor does.
+#: (:func:`lasagne_accum.training.use_precompiled_headers`) and several at a
+#: time (:func:`lasagne_accum.training.use_parallel_compile`, one per core): the
+#: same object code (``tests/test_compiling.py``), compiled faster.
+#: ``LASAGNE_ACCUM_TEST_PCH=0`` and ``LASAGNE_ACCUM_TEST_JOBS=1`` compile as
+#: plain PyTensor does.
 _PCH = os.environ.get("LASAGNE_ACCUM_TEST_PCH", "1") != "0"
+_JOBS = int(os.environ["LASAGNE_ACCUM_TEST_JOBS"]) if os.environ.get(
+    "LASAGNE_ACCUM_TEST_JOBS") else None
 
 
 @pytest.fixture(autouse=True)
-def _precompiled_headers():
+def _compile_speedups():
     """Put the suite's choice back before each test (a test or doctest may switch it)."""
-    from lasagne_accum.compiling import use_precompiled_headers
+    from lasagne_accum.compiling import use_parallel_compile, use_precompiled_headers
 
     use_precompiled_headers(_PCH)
+    use_parallel_compile(_JOBS)
     yield
 
 

@@ -43,7 +43,7 @@ import numpy as np
 import pytensor
 
 from lasagne_accum import accumulate_gradients, collect_state, momentum
-from lasagne_accum.training import use_precompiled_headers
+from lasagne_accum.training import use_parallel_compile, use_precompiled_headers
 
 import models
 
@@ -93,6 +93,9 @@ def parse_args(argv=None):
     p.add_argument("--no-pch", action="store_true",
                    help="compile the C modules without precompiled headers, as plain PyTensor "
                         "does (a slower cold start, the same code)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="C modules compiled at once on a cold cache (default: one per core; "
+                        "1: one at a time, as plain PyTensor does)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the initial parameters, the train/test split and the order")
     p.add_argument("--out", default="out", help="directory for the plot")
@@ -107,6 +110,8 @@ def parse_args(argv=None):
     args.multiple = MULTIPLE
     if args.train_size is not None and args.train_size < MULTIPLE:
         p.error(f"--train-size must be at least {MULTIPLE} (the largest window)")
+    if args.jobs is not None and args.jobs < 1:
+        p.error(f"--jobs must be at least 1, got {args.jobs}")
     return args
 
 
@@ -231,6 +236,9 @@ def main(argv=None):
     # g++ parses Python's and numpy's headers once, not once per C module
     # (lasagne_accum.training.use_precompiled_headers: cold runs about 17% faster)
     use_precompiled_headers(not args.no_pch)
+    # g++ runs on several of a function's modules at once, not one by one
+    # (lasagne_accum.training.use_parallel_compile)
+    use_parallel_compile(args.jobs)
     start = time.perf_counter()
     experiment = Experiment(args, side, (data[0][:1], data[1][:1]))
     results = []

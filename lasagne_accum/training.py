@@ -18,7 +18,7 @@ import pytensor
 
 from .accumulate import accumulate_gradients
 from .backends import blas_available, default_modes
-from .compiling import use_precompiled_headers
+from .compiling import use_parallel_compile, use_precompiled_headers
 from .grads import check_every, check_rule_updates
 from .progress import Progress
 
@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from ._typing import Params, PathLike, Scalar, UpdateRule, UpdatesLike
 
 __all__ = ["compile_accumulation", "AccumulationTrainer", "run_epoch", "Progress",
-           "default_modes", "blas_available", "use_precompiled_headers"]
+           "default_modes", "blas_available", "use_precompiled_headers",
+           "use_parallel_compile"]
 
 
 class AccumulationTrainer:

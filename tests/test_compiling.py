@@ -24,7 +24,7 @@ from pytensor.link.c.basic import CLinker
 from pytensor.link.c.cmodule import GCC_compiler
 
 from lasagne_accum import compiling
-from lasagne_accum.training import use_precompiled_headers
+from lasagne_accum.training import use_parallel_compile, use_precompiled_headers
 
 HAVE_GXX = bool(compiling._gxx_version())
 needs_gxx = pytest.mark.skipif(not HAVE_GXX, reason="PyTensor's C++ compiler is not g++")
@@ -56,6 +56,7 @@ def test_same_object_code_with_and_without_the_header(tmp_path, monkeypatch):
     src, kwargs = _adam_like_module()
     assert len(compiling.include_block(src)) == 8   # the full block: Elemwise's too
     kwargs["preargs"] = [*kwargs["preargs"], "-Werror=invalid-pch"]
+    use_parallel_compile(1)
     use_precompiled_headers(False)
     pytensors = GCC_compiler.compile_str
     assert pytensors.__qualname__ == "GCC_compiler.compile_str"
@@ -64,12 +65,14 @@ def test_same_object_code_with_and_without_the_header(tmp_path, monkeypatch):
     monkeypatch.setattr(compiling, "BUILD_ON_MODULE", 1)   # build for the first module
     monkeypatch.setattr(compiling, "_headers", {})
     monkeypatch.setattr(compiling, "_seen", {})
-    monkeypatch.setattr(compiling, "counts", {"header": 0, "plain": 0, "fallback": 0})
+    monkeypatch.setattr(compiling, "counts", dict.fromkeys(compiling.counts, 0))
 
+    use_precompiled_headers()
     for where, compile_str in (("plain", pytensors), ("header", compiling._compile_str)):
         os.mkdir(tmp_path / where)
         compile_str("m", src, location=str(tmp_path / where), py_module=False, **kwargs)
-    assert compiling.counts == {"header": 1, "plain": 0, "fallback": 0}   # no fallback
+    assert compiling.counts == {"header": 1, "plain": 0, "fallback": 0,
+                                "parallel": 0}   # no fallback
     assert compiling.fresh(header)
     assert open(header).read() == src[:len(open(header).read())]   # the module's own lines
 
@@ -121,6 +124,7 @@ def test_changed_or_missing_dependencies_mean_rebuild(tmp_path):
 
 
 def test_bad_input_and_turning_it_off():
+    use_parallel_compile(1)
     use_precompiled_headers(False)
     pytensors = GCC_compiler.compile_str
     assert pytensors.__qualname__ == "GCC_compiler.compile_str"   # PyTensor's own
@@ -152,6 +156,7 @@ def test_only_gxx(tmp_path, monkeypatch):
     assert compiling._gxx_version_of(clang) == ""
     assert compiling._gxx_version_of(str(tmp_path / "no-such-compiler")) == ""
     assert compiling._gxx_version_of("") == ""
+    use_parallel_compile(1)
     use_precompiled_headers(False)
     pytensors = GCC_compiler.compile_str
     monkeypatch.setattr(compiling, "_gxx_version", lambda: "")
@@ -165,7 +170,7 @@ _SCRIPT = textwrap.dedent("""
     import json, os, sys
     import numpy as np, pytensor, pytensor.tensor as pt
     from lasagne_accum import compiling
-    from lasagne_accum.training import use_precompiled_headers
+    from lasagne_accum.training import use_parallel_compile, use_precompiled_headers
 
     corrupt = sys.argv[1] == "corrupt"
     on = use_precompiled_headers()
@@ -203,13 +208,13 @@ def test_compiles_right_with_headers_built_once_and_reused(tmp_path):
     first = _run(tmp_path, "plain", "1.0")
     assert first["on"]
     # the flag set's first module compiles plain, the second builds the header
-    assert first["counts"] == {"plain": 1, "header": 2, "fallback": 0}
+    assert first["counts"] == {"plain": 1, "header": 2, "fallback": 0, "parallel": 0}
     assert len(first["headers"]) == 1 and first["fresh"] == [True]
     assert max(first["errors"]) < 1e-14
     # a new process finds the header and uses it from its first module (a new
     # constant makes the first graph new; the two others come from the cache)
     second = _run(tmp_path, "plain", "2.0")
-    assert second["counts"] == {"plain": 0, "header": 1, "fallback": 0}
+    assert second["counts"] == {"plain": 0, "header": 1, "fallback": 0, "parallel": 0}
     assert second["headers"] == first["headers"]
     assert max(second["errors"]) < 1e-14
 
@@ -217,6 +222,169 @@ def test_compiles_right_with_headers_built_once_and_reused(tmp_path):
 @needs_gxx
 def test_unreadable_header_falls_back_to_a_plain_compile(tmp_path):
     result = _run(tmp_path, "corrupt", "1.0")
-    assert result["counts"] == {"plain": 1, "header": 1, "fallback": 1}
+    assert result["counts"] == {"plain": 1, "header": 1, "fallback": 1, "parallel": 0}
     assert result["headers"] == []   # that flag set no longer uses one
     assert max(result["errors"]) < 1e-14
+
+
+# ---------------------------------------------------------------- parallel compiles
+
+def test_parallel_compile_bad_input_and_turning_it_off():
+    from pytensor.link.vm import VMLinker
+
+    use_parallel_compile(1)
+    use_precompiled_headers(False)
+    pytensors, make_all = GCC_compiler.compile_str, VMLinker.make_all
+    assert make_all.__qualname__ == "VMLinker.make_all"   # PyTensor's own
+    for bad in ("2", 2.0, True, [2]):
+        with pytest.raises(TypeError, match="jobs must be an int or None"):
+            use_parallel_compile(bad)
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match=f"jobs must be at least 1, got {bad}"):
+            use_parallel_compile(bad)
+    assert (GCC_compiler.compile_str, VMLinker.make_all) == (pytensors, make_all)   # unchanged
+    assert use_parallel_compile(3) == 3
+    assert GCC_compiler.compile_str is compiling._compile_str
+    assert VMLinker.make_all is compiling._make_all
+    assert use_parallel_compile(None) == (os.cpu_count() or 1)
+    assert use_parallel_compile(1) == 1
+    assert (GCC_compiler.compile_str, VMLinker.make_all) == (pytensors, make_all)
+    use_parallel_compile(2)
+    use_precompiled_headers()
+    use_parallel_compile(1)   # the headers stay on
+    assert (GCC_compiler.compile_str is compiling._compile_str) is HAVE_GXX
+    assert VMLinker.make_all is make_all
+
+
+_PARALLEL_SCRIPT = textwrap.dedent("""
+    import glob, json, os, sys
+    import numpy as np, pytensor, pytensor.tensor as pt
+    from lasagne_accum import compiling
+    from lasagne_accum.training import use_parallel_compile, use_precompiled_headers
+
+    jobs, pch, case = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]
+    def left():   # directories a job compiled into that hold no module of PyTensor's cache
+        return [d for d in glob.glob(os.path.join(pytensor.config.compiledir, "tmp*"))
+                if not os.path.exists(os.path.join(d, "key.pkl"))]
+    use_precompiled_headers(pch)
+    use_parallel_compile(jobs)
+    if case == "first-job-fails":
+        real_job, calls = compiling._job, []
+        def job(*args):
+            calls.append(args[0])
+            if len(calls) == 1:
+                raise OSError("this job fails")
+            return real_job(*args)
+        compiling._job = job
+    if case == "unused-job":   # a job that PyTensor never asks for
+        real_submit = compiling._submit_missing
+        def submit(linker, pool):
+            args = ("unused", "int unused() { return 1; }", [], [], [], [], True)
+            job = pool.submit(compiling._job, pytensor.config.compiledir, *args)
+            compiling._pending["unused"] = (compiling._job_key(*args), job)
+            return [*real_submit(linker, pool), "unused"]
+        compiling._submit_missing = submit
+    if case == "broken":   # an op whose C code g++ rejects
+        from pytensor.graph.basic import Apply
+        from pytensor.link.c.op import COp
+
+        class Broken(COp):
+            __props__ = ()
+            def make_node(self, x):
+                return Apply(self, [x], [x.type()])
+            def perform(self, node, inputs, outputs):
+                outputs[0][0] = inputs[0]
+            def c_code(self, node, name, inputs, outputs, sub):
+                return "this is not C++;"
+            def c_code_cache_version(self):
+                return (1,)
+
+        x = pt.dvector("x")
+        try:
+            pytensor.function([x], Broken()(pt.exp(x)), mode="CVM")
+            error = None
+        except Exception as e:
+            error = [type(e).__name__, "this is not C++" in str(e)]
+        print(json.dumps({"error": error, "pending": len(compiling._pending),
+                          "left": left()}))
+        sys.exit()
+
+    x, w = pt.dmatrix("x"), pt.dmatrix("w")
+    h = pt.tanh(x @ w)
+    loss = -pt.log(pt.special.softmax(h, axis=1)[:, 0]).mean() + 0.01 * (w ** 2).sum()
+    outs = [loss, pytensor.grad(loss, w), h.max(axis=0), h.argmax(axis=1), h.cumsum(axis=0)]
+    f = pytensor.function([x, w], outs, mode="CVM")
+    rng = np.random.default_rng(0)
+    X, W = rng.normal(size=(5, 3)), rng.normal(size=(3, 4))
+    # numpy: H = tanh(XW), S = softmax(H), loss = -mean_i log S_i0 + 0.01 |W|^2
+    H = np.tanh(X @ W)
+    S = np.exp(H - H.max(1, keepdims=True))
+    S /= S.sum(1, keepdims=True)
+    dH = -(np.eye(4)[0] - S) / len(X)
+    refs = [-np.log(S[:, 0]).mean() + 0.01 * (W ** 2).sum(), X.T @ (dH * (1 - H ** 2)) + 0.02 * W,
+            H.max(0), H.argmax(1), H.cumsum(0)]
+    errors = [float(np.max(np.abs(np.asarray(o) - r))) for o, r in zip(f(X, W), refs)]
+    print(json.dumps({"counts": compiling.counts, "errors": errors,
+                      "pending": len(compiling._pending),
+                      "left": left()}))
+""")
+
+
+def _run_parallel(tmp_path, compiledir, *argv):
+    env = dict(os.environ, PYTENSOR_FLAGS=f"compiledir={tmp_path / compiledir}")
+    done = subprocess.run([sys.executable, "-c", _PARALLEL_SCRIPT, *argv], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _modules(compiledir):
+    """Module name -> (its mod.cpp, its disassembly) for each op module in a compiledir."""
+    found = {}
+    for lib in compiledir.glob("tmp*/m*.so"):
+        found[lib.stem] = ((lib.parent / "mod.cpp").read_text(), _disassembly(str(lib)))
+    return found
+
+
+@needs_gxx
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs binutils' objdump")
+def test_parallel_compile_gives_the_modules_a_one_by_one_compile_gives(tmp_path):
+    one = _run_parallel(tmp_path, "one", "1", "1", "plain")
+    assert one["counts"]["parallel"] == 0
+    two = _run_parallel(tmp_path, "two", "2", "1", "plain")
+    compiled = two["counts"]["plain"] + two["counts"]["header"]
+    assert compiled == one["counts"]["plain"] + one["counts"]["header"] >= 8
+    assert two["counts"]["parallel"] == compiled   # each came from a job, none twice
+    assert two["counts"]["fallback"] == 0
+    assert max(one["errors"] + two["errors"]) < 1e-12
+    assert two["pending"] == 0 and two["left"] == []
+    by_one, by_two = _modules(tmp_path / "one"), _modules(tmp_path / "two")
+    assert len(by_two) == compiled and set(by_two) == set(by_one)   # the same sources
+    for name, (src, code) in by_two.items():
+        assert src == by_one[name][0]
+        assert code.count("\n") > 50 and code == by_one[name][1], name
+    warm = _run_parallel(tmp_path, "two", "2", "1", "plain")   # nothing left to compile
+    assert warm["counts"] == dict.fromkeys(warm["counts"], 0)
+    assert max(warm["errors"]) < 1e-12
+    plain = _run_parallel(tmp_path, "three", "2", "0", "plain")   # without headers
+    assert plain["counts"]["parallel"] == compiled and max(plain["errors"]) < 1e-12
+
+
+@needs_gxx
+def test_a_failed_or_unused_job_costs_time_not_results(tmp_path):
+    failed = _run_parallel(tmp_path, "failed", "2", "1", "first-job-fails")
+    compiled = failed["counts"]["plain"] + failed["counts"]["header"]
+    assert failed["counts"]["parallel"] == compiled - 1   # PyTensor compiled that one itself
+    assert max(failed["errors"]) < 1e-12 and failed["left"] == []
+    unused = _run_parallel(tmp_path, "unused", "2", "1", "unused-job")
+    assert unused["counts"]["parallel"] == unused["counts"]["plain"] + unused["counts"]["header"]
+    assert max(unused["errors"]) < 1e-12
+    assert unused["pending"] == 0 and unused["left"] == []   # dropped and deleted
+
+
+@needs_gxx
+def test_a_compile_error_is_pytensors_own(tmp_path):
+    alone = _run_parallel(tmp_path, "alone", "1", "1", "broken")
+    assert alone["error"] == ["CompileError", True]
+    together = _run_parallel(tmp_path, "together", "2", "1", "broken")
+    assert together == alone | {"pending": 0, "left": []}

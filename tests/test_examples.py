@@ -87,20 +87,27 @@ def test_cross_minibatch_quick_defaults():
     assert cross_minibatch.parse_args([]).multiple == 10
 
 
-def test_cross_minibatch_turns_precompiled_headers_on_and_off(tmp_path):
+def test_cross_minibatch_turns_precompiled_headers_and_parallel_compiles_on_and_off(tmp_path):
     from pytensor.link.c.cmodule import GCC_compiler
 
     from lasagne_accum import compiling
 
     argv = FAST + ["--model", "mlp", "--epochs", "1", "--train-size", "10", "--rows", "1",
                    "--out", str(tmp_path), "--no-plot"]
+    compiling.use_parallel_compile(1)
     compiling.use_precompiled_headers(False)
     pytensors = GCC_compiler.compile_str
     assert pytensors.__qualname__ == "GCC_compiler.compile_str"   # PyTensor's own
-    cross_minibatch.main(argv)
+    cross_minibatch.main(argv + ["--jobs", "1"])
     assert (GCC_compiler.compile_str is compiling._compile_str) is bool(compiling._gxx_version())
-    cross_minibatch.main(argv + ["--no-pch"])
+    cross_minibatch.main(argv + ["--no-pch", "--jobs", "1"])
     assert GCC_compiler.compile_str is pytensors
+    cross_minibatch.main(argv + ["--no-pch", "--jobs", "3"])
+    assert compiling._jobs == 3 and GCC_compiler.compile_str is compiling._compile_str
+    cross_minibatch.main(argv + ["--no-pch"])   # one per core
+    assert compiling._jobs == (os.cpu_count() or 1)
+    with pytest.raises(SystemExit):
+        cross_minibatch.parse_args(["--jobs", "0"])
 
 
 def test_cross_minibatch_decimal():
