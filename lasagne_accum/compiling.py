@@ -23,11 +23,12 @@ a compile's flags and reads the header text instead: the same result, slower.
 once. PyTensor compiles them one by one, as it makes each node's thunk, each
 under its compile lock. Before it starts, this looks at the nodes PyTensor is
 about to make thunks for, generates each C module's source the way PyTensor
-will, and has a pool of threads compile the ones missing from the cache into
-temporary directories. When PyTensor then asks for a module whose source and
-compiler arguments are exactly those of a finished job, it gets that job's
-library instead of a new g++ run; everything else (the cache, its keys and
-lock, the import) is PyTensor's own.
+will, and has a pool of threads compile the ones missing from the cache, each
+into a new directory of the compile directory. When PyTensor then compiles a
+module a job compiled, it is handed the job's directory, and if its source and
+compiler arguments are exactly the job's, it imports the job's library instead
+of running g++ again; everything else (the cache, its keys and lock, the
+import) is PyTensor's own.
 """
 
 from __future__ import annotations
@@ -80,11 +81,13 @@ _pending: dict[Any, tuple[tuple, Future]] = {}
 #: what compile_str must be called with to use what is in it
 _handed: dict[str, tuple] = {}
 _next = threading.local()   # .where: the directory dlimport_workdir hands out next
+_executor: ThreadPoolExecutor | None = None   # the compile threads (see _pool)
 #: Op modules compiled in this process: "header" (with a precompiled header),
 #: "plain" (without), "fallback" (g++ failed on the header; compiled again
-#: without it); and "parallel": modules PyTensor asked for that a parallel job
-#: had compiled (each also counted once under "header" or "plain"). For tests
-#: and for a user who wonders whether it works.
+#: without it), these three only while headers are on; and "parallel": modules
+#: PyTensor asked for that a parallel job had compiled (with headers on, each
+#: job's g++ run is also counted under "header" or "plain"). For tests and for
+#: a user who wonders whether it works.
 counts = {"header": 0, "plain": 0, "fallback": 0, "parallel": 0}
 
 
@@ -162,8 +165,9 @@ def use_parallel_compile(jobs: int | None = None) -> int:
     Parameters
     ----------
     jobs : int or None
-        How many g++ runs at once; ``None`` means ``os.cpu_count()``. ``1``
-        puts back PyTensor's one-by-one compile.
+        How many g++ runs at once; ``None`` means one per CPU this process
+        may run on (``os.sched_getaffinity``; ``os.cpu_count()`` where that
+        is missing). ``1`` puts back PyTensor's one-by-one compile.
 
     Returns
     -------
@@ -194,11 +198,18 @@ def use_parallel_compile(jobs: int | None = None) -> int:
     the library was built at the path it lives at, so it is the one PyTensor
     would have built. Anything else compiles as before. A job that failed is
     not used: PyTensor compiles that module itself and reports its error as
-    it always does (g++'s message then prints twice). The cache, its keys,
-    its lock and its bookkeeping are PyTensor's own, so modules compiled
-    either way are interchangeable; ``tests/test_compiling.py`` checks that
-    a function's modules are the same (source and disassembly) as a
-    one-by-one compile's.
+    it always does (for a module g++ rejects, PyTensor's note naming a
+    temporary file with the C code then prints twice, once per attempt).
+    The jobs run g++ outside PyTensor's compile lock, each in a directory of
+    its own; the cache, its keys and its bookkeeping stay PyTensor's, under
+    its lock as before, so modules compiled either way are interchangeable.
+    ``tests/test_compiling.py`` checks that a function's modules are the
+    same (source and disassembly) as a one-by-one compile's. Functions
+    compiled by other linkers (Numba, JAX, PyTorch) are not affected. A
+    Ctrl-C stops the compile at once: the jobs not started are cancelled,
+    those running finish in the background (the process waits for them,
+    about a second, when it exits), and what any job compiled for nothing
+    is deleted.
 
     The cold run of ``examples/cross_minibatch.py --quick`` (48 C modules)
     compiled its accumulate step in 6.8 and 6.9 s against 12.8 and 13.3 s one
@@ -221,13 +232,21 @@ def use_parallel_compile(jobs: int | None = None) -> int:
     if isinstance(jobs, bool) or not (jobs is None or isinstance(jobs, int)):
         raise TypeError(f"jobs must be an int or None, got {type(jobs).__name__}")
     if jobs is None:
-        jobs = os.cpu_count() or 1
+        jobs = _usable_cpus()
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs}")
     with _lock:
         _jobs = jobs
         _install()
         return _jobs
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:   # not on Linux
+        return os.cpu_count() or 1
 
 
 def _install() -> None:
@@ -292,17 +311,21 @@ def _compile_str(module_name, src_code, location=None, include_dirs=None, lib_di
         with _lock:
             expected = _handed.pop(location, None)
         if expected is not None:
-            if py_module and expected == _job_key(module_name, src_code, include_dirs,
-                                                  lib_dirs, libs, preargs, hide_symbols):
+            lib = os.path.join(location, _lib_name(module_name))
+            if py_module and os.path.isfile(lib) and expected == _job_key(
+                    module_name, src_code, include_dirs, lib_dirs, libs, preargs,
+                    hide_symbols):
                 from pytensor.link.c.cmodule import dlimport
 
                 with open(os.path.join(location, "__init__.py"), "w"):
                     pass   # the last thing compile_str does before importing
                 with _lock:
                     counts["parallel"] += 1
-                return dlimport(os.path.join(location, _lib_name(module_name)))
-            for name in os.listdir(location):   # another module's: start afresh
-                os.remove(os.path.join(location, name))
+                return dlimport(lib)
+            # another module's, or cleared meanwhile (say, by another process
+            # clearing the cache): compile afresh in an empty directory
+            shutil.rmtree(location, ignore_errors=True)
+            os.makedirs(location, exist_ok=True)
     return _compile_one(module_name, src_code, location, include_dirs, lib_dirs, libs,
                         preargs, py_module, hide_symbols)
 
@@ -370,13 +393,15 @@ def _job(compiledir, module_name, src_code, include_dirs, lib_dirs, libs, prearg
         raise
 
 
-def _drop(job: Future) -> None:
-    """Wait for a job nobody will use and delete what it compiled."""
+def _discard(job: Future) -> None:
+    """Drop a job nobody will use: cancel it if it has not started, else delete
+    what it compiles once it is done (without waiting for it here)."""
+    def remove(done: Future) -> None:
+        if not done.cancelled() and done.exception() is None:
+            shutil.rmtree(done.result(), ignore_errors=True)
+
     job.cancel()
-    try:
-        shutil.rmtree(job.result(), ignore_errors=True)
-    except BaseException:
-        pass
+    job.add_done_callback(remove)
 
 
 def _module_from_key(self, key, lnk):
@@ -394,16 +419,22 @@ def _module_from_key(self, key, lnk):
         where = job.result()
     except Exception:   # compiled here instead; PyTensor reports any error
         return _original_from_key(self, key, lnk)
+    except BaseException:   # interrupted while waiting
+        _discard(job)
+        raise
     _next.where = where
     with _lock:
         _handed[where] = expected
     try:
         return _original_from_key(self, key, lnk)
     finally:
+        # PyTensor took the directory if it asked for one (it then owns it:
+        # registered, or removed by its own clean-up on failure)
+        taken = getattr(_next, "where", None) is None
         _next.where = None
         with _lock:
-            unused = _handed.pop(where, None) is not None
-        if unused:   # PyTensor found the module another way, or failed first
+            _handed.pop(where, None)
+        if not taken:   # it found the module another way, or failed before
             shutil.rmtree(where, ignore_errors=True)
 
 
@@ -415,25 +446,37 @@ def _dlimport_workdir(basedir):
     return _original_workdir(basedir)
 
 
+def _pool() -> ThreadPoolExecutor:
+    """The process's compile threads (one pool, so nested compiles share the ``jobs``)."""
+    global _executor
+    with _lock:
+        if _executor is None or _executor._max_workers != _jobs:
+            if _executor is not None:
+                _executor.shutdown(wait=False)
+            _executor = ThreadPoolExecutor(_jobs, thread_name_prefix="lasagne_accum_compile")
+        return _executor
+
+
 def _make_all(self, *args, **kwargs):
     """``VMLinker.make_all``, with the function's missing C modules compiled in parallel first."""
     from pytensor.configdefaults import config
 
     if _jobs < 2 or self.c_thunks is False or not config.cxx:
         return _original_make_all(self, *args, **kwargs)
-    with ThreadPoolExecutor(_jobs, thread_name_prefix="lasagne_accum_compile") as pool:
-        mine = _submit_missing(self, pool)
-        try:
-            return _original_make_all(self, *args, **kwargs)
-        finally:
-            with _lock:
-                left = [_pending.pop(k) for k in mine if k in _pending]
-            for _expected, job in left:   # not asked for after all
-                _drop(job)
+    mine = []   # cache keys of the jobs started for this function
+    try:
+        _submit_missing(self, _pool(), mine)
+        return _original_make_all(self, *args, **kwargs)
+    finally:
+        with _lock:
+            left = [_pending.pop(k) for k in mine if k in _pending]
+        for _expected, job in left:   # not asked for after all (or interrupted)
+            _discard(job)
 
 
-def _submit_missing(linker, pool) -> list:
-    """Start a job for each node's C module that PyTensor will compile; their cache keys."""
+def _submit_missing(linker, pool, mine: list) -> None:
+    """Start a job for each node's C module that PyTensor will compile; their cache
+    keys go to ``mine`` as they start."""
     from pytensor.graph.fg import FunctionGraph
     from pytensor.link.c.basic import CLinker
     from pytensor.link.c.basic import get_module_cache
@@ -441,7 +484,6 @@ def _submit_missing(linker, pool) -> list:
     from pytensor.link.c.op import COp
 
     cache = get_module_cache()
-    mine: list = []
     hashes: set[str] = set()
     for node in linker.schedule(linker.fgraph):
         # Only nodes whose thunk COp.make_thunk makes, through a CLinker of
@@ -473,10 +515,9 @@ def _submit_missing(linker, pool) -> list:
                 if key in _pending:
                     continue
                 _pending[key] = (_job_key(*args), pool.submit(_job, cache.dirname, *args))
+                mine.append(key)
         except Exception:   # PyTensor meets (and reports) it when it makes the thunk
             continue
-        mine.append(key)
-    return mine
 
 
 def compile_command(preargs: list[str], include_dirs: list[str],

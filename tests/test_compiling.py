@@ -257,32 +257,49 @@ def test_parallel_compile_bad_input_and_turning_it_off():
 
 
 _PARALLEL_SCRIPT = textwrap.dedent("""
-    import glob, json, os, sys
+    import glob, json, os, sys, threading
     import numpy as np, pytensor, pytensor.tensor as pt
     from lasagne_accum import compiling
     from lasagne_accum.training import use_parallel_compile, use_precompiled_headers
 
     jobs, pch, case = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]
     def left():   # directories a job compiled into that hold no module of PyTensor's cache
+        if compiling._executor is not None:
+            compiling._executor.shutdown(wait=True)   # as at exit: running jobs finish
         return [d for d in glob.glob(os.path.join(pytensor.config.compiledir, "tmp*"))
                 if not os.path.exists(os.path.join(d, "key.pkl"))]
     use_precompiled_headers(pch)
     use_parallel_compile(jobs)
-    if case == "first-job-fails":
-        real_job, calls = compiling._job, []
-        def job(*args):
-            calls.append(args[0])
-            if len(calls) == 1:
+    lock, running, seen = threading.Lock(), [0], {"jobs": 0, "most at once": 0}
+    real_job = compiling._job
+    def job(*args):   # counts jobs, and how many ran at once
+        with lock:
+            seen["jobs"] += 1
+            first = seen["jobs"] == 1
+            running[0] += 1
+            seen["most at once"] = max(seen["most at once"], running[0])
+        try:
+            if case == "first-job-fails" and first:
                 raise OSError("this job fails")
             return real_job(*args)
-        compiling._job = job
+        finally:
+            with lock:
+                running[0] -= 1
+    compiling._job = job
+    real_submit = compiling._submit_missing
     if case == "unused-job":   # a job that PyTensor never asks for
-        real_submit = compiling._submit_missing
-        def submit(linker, pool):
+        def submit(linker, pool, mine):
             args = ("unused", "int unused() { return 1; }", [], [], [], [], True)
-            job = pool.submit(compiling._job, pytensor.config.compiledir, *args)
-            compiling._pending["unused"] = (compiling._job_key(*args), job)
-            return [*real_submit(linker, pool), "unused"]
+            compiling._pending["unused"] = (compiling._job_key(*args),
+                                            pool.submit(job, pytensor.config.compiledir, *args))
+            mine.append("unused")
+            real_submit(linker, pool, mine)
+        compiling._submit_missing = submit
+    if case == "mismatch":   # one job compiled other source than PyTensor then asks for
+        def submit(linker, pool, mine):
+            real_submit(linker, pool, mine)
+            expected, job = compiling._pending[mine[0]]
+            compiling._pending[mine[0]] = ((expected[0], expected[1] + "// other"), *expected[2:]), job
         compiling._submit_missing = submit
     if case == "broken":   # an op whose C code g++ rejects
         from pytensor.graph.basic import Apply
@@ -306,7 +323,7 @@ _PARALLEL_SCRIPT = textwrap.dedent("""
         except Exception as e:
             error = [type(e).__name__, "this is not C++" in str(e)]
         print(json.dumps({"error": error, "pending": len(compiling._pending),
-                          "left": left()}))
+                          "left": left(), "jobs": seen["jobs"]}))
         sys.exit()
 
     x, w = pt.dmatrix("x"), pt.dmatrix("w")
@@ -325,8 +342,7 @@ _PARALLEL_SCRIPT = textwrap.dedent("""
             H.max(0), H.argmax(1), H.cumsum(0)]
     errors = [float(np.max(np.abs(np.asarray(o) - r))) for o, r in zip(f(X, W), refs)]
     print(json.dumps({"counts": compiling.counts, "errors": errors,
-                      "pending": len(compiling._pending),
-                      "left": left()}))
+                      "pending": len(compiling._pending), "left": left(), **seen}))
 """)
 
 
@@ -355,6 +371,8 @@ def test_parallel_compile_gives_the_modules_a_one_by_one_compile_gives(tmp_path)
     compiled = two["counts"]["plain"] + two["counts"]["header"]
     assert compiled == one["counts"]["plain"] + one["counts"]["header"] >= 8
     assert two["counts"]["parallel"] == compiled   # each came from a job, none twice
+    assert two["jobs"] == compiled and one["jobs"] == 0
+    assert two["most at once"] == 2   # in parallel, and no more than asked
     assert two["counts"]["fallback"] == 0
     assert max(one["errors"] + two["errors"]) < 1e-12
     assert two["pending"] == 0 and two["left"] == []
@@ -380,11 +398,18 @@ def test_a_failed_or_unused_job_costs_time_not_results(tmp_path):
     assert unused["counts"]["parallel"] == unused["counts"]["plain"] + unused["counts"]["header"]
     assert max(unused["errors"]) < 1e-12
     assert unused["pending"] == 0 and unused["left"] == []   # dropped and deleted
+    # a job whose source is not what PyTensor compiles: compiled again, in an emptied directory
+    other = _run_parallel(tmp_path, "other", "2", "1", "mismatch")
+    compiled = other["counts"]["plain"] + other["counts"]["header"]
+    assert other["counts"]["parallel"] == compiled - 2 == other["jobs"] - 1
+    assert max(other["errors"]) < 1e-12 and other["left"] == []
+    assert all(len(list(d.glob("m*.so"))) == 1 for d in (tmp_path / "other").glob("tmp*"))
 
 
 @needs_gxx
 def test_a_compile_error_is_pytensors_own(tmp_path):
     alone = _run_parallel(tmp_path, "alone", "1", "1", "broken")
-    assert alone["error"] == ["CompileError", True]
+    assert alone["error"] == ["CompileError", True] and alone["jobs"] == 0
     together = _run_parallel(tmp_path, "together", "2", "1", "broken")
-    assert together == alone | {"pending": 0, "left": []}
+    assert together["jobs"] >= 1   # a job tried it first
+    assert together == alone | {"pending": 0, "left": [], "jobs": together["jobs"]}
