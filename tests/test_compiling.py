@@ -301,6 +301,29 @@ _PARALLEL_SCRIPT = textwrap.dedent("""
             expected, job = compiling._pending[mine[0]]
             compiling._pending[mine[0]] = ((expected[0], expected[1] + "// other"), *expected[2:]), job
         compiling._submit_missing = submit
+    if case == "scan":   # Scan compiles its inner function while PyTensor makes its thunk
+        from pytensor.link.vm import VMLinker
+
+        depth, seen["deepest"], real_make_all = [0], 0, VMLinker.make_all
+        def make_all(self, *args, **kwargs):   # how deep the compiles nest
+            depth[0] += 1
+            seen["deepest"] = max(seen["deepest"], depth[0])
+            try:
+                return real_make_all(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+        VMLinker.make_all = make_all
+        x = pt.dvector("x")
+        total = pytensor.scan(lambda a, acc: acc + pt.tanh(a) * pt.exp(-a ** 2), sequences=[x],
+                              outputs_info=[pt.zeros((), dtype="float64")],
+                              return_updates=False)
+        f = pytensor.function([x], 2.0 * total[-1] + pt.log1p(x ** 2).sum(), mode="CVM")
+        a = np.linspace(-2.0, 2.0, 9)
+        error = abs(float(f(a)) - (2.0 * np.sum(np.tanh(a) * np.exp(-a ** 2))
+                                   + np.log1p(a ** 2).sum()))
+        print(json.dumps({"counts": compiling.counts, "errors": [error],
+                          "pending": len(compiling._pending), "left": left(), **seen}))
+        sys.exit()
     if case == "broken":   # an op whose C code g++ rejects
         from pytensor.graph.basic import Apply
         from pytensor.link.c.op import COp
@@ -404,6 +427,19 @@ def test_a_failed_or_unused_job_costs_time_not_results(tmp_path):
     assert other["counts"]["parallel"] == compiled - 2 == other["jobs"] - 1
     assert max(other["errors"]) < 1e-12 and other["left"] == []
     assert all(len(list(d.glob("m*.so"))) == 1 for d in (tmp_path / "other").glob("tmp*"))
+
+
+@needs_gxx
+def test_nested_compiles_share_the_jobs(tmp_path):
+    alone = _run_parallel(tmp_path, "alone", "1", "1", "scan")
+    together = _run_parallel(tmp_path, "together", "2", "1", "scan")
+    assert together["deepest"] == alone["deepest"] == 2   # the inner function's compile
+    compiled = together["counts"]["plain"] + together["counts"]["header"]
+    assert compiled == alone["counts"]["plain"] + alone["counts"]["header"] >= 4
+    assert together["counts"]["parallel"] == together["jobs"] == compiled
+    assert together["most at once"] == 2
+    assert max(alone["errors"] + together["errors"]) < 1e-12
+    assert together["pending"] == 0 and together["left"] == []
 
 
 @needs_gxx
