@@ -385,8 +385,9 @@ def _job(compiledir, module_name, src_code, include_dirs, lib_dirs, libs, prearg
     try:
         _compile_one(module_name, src_code, where, include_dirs, lib_dirs, libs, preargs,
                      False, hide_symbols)
-        if not os.path.isfile(os.path.join(where, _lib_name(module_name))):
-            raise FileNotFoundError(os.path.join(where, _lib_name(module_name)))
+        lib = os.path.join(where, _lib_name(module_name))
+        if not os.path.isfile(lib):
+            raise FileNotFoundError(lib)
         return where
     except BaseException:
         shutil.rmtree(where, ignore_errors=True)
@@ -497,8 +498,8 @@ def _submit_missing(linker, pool, mine: list) -> None:
                 continue
             cl = CLinker().accept(FunctionGraph(node.inputs, node.outputs), no_recycling=[])
             key = cl.cmodule_key()
-            if key is None or key in cache.entry_from_key:
-                continue
+            if key is None or key in cache.entry_from_key or key in _pending:
+                continue   # nothing to compile, or a job (this or an outer compile's) has it
             for n in cl.node_order:   # as CLinker.cthunk_factory does
                 n.op.prepare_node(n, None, None, "c")
             mod = cl.get_dynamic_module()
