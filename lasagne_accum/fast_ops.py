@@ -529,7 +529,8 @@ def _make_lazy_step_class():
             outs = [storage_map[v] for v in node.outputs]
             cond = ins[0]
             handed = list(zip(outs, ins[1:1 + self.n_states]))
-            computed = [compute_map[v] for v in node.outputs]
+            # PyTensor's own Python thunk takes compute_map=None too
+            computed = [] if compute_map is None else [compute_map[v] for v in node.outputs]
             perform = self.perform
 
             def thunk():

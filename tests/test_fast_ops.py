@@ -360,7 +360,7 @@ def test_lazy_step_holds_the_whole_rule():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_lazy_step_op_on_its_own(dtype):
-    """LazyStep's C-thunk path (perform) and the Numba one, against numpy, both branches."""
+    """LazyStep's C-backend thunk and its Numba code, against numpy, both branches."""
     from pytensor.graph.fg import FunctionGraph
 
     from lasagne_accum.fast_ops import LazyStep
@@ -378,6 +378,38 @@ def test_lazy_step_op_on_its_own(dtype):
         np.testing.assert_array_equal(state.get_value(), np.arange(4.0))
         f(True, gv)
         _close(state.get_value(), np.arange(4.0) * 0.5 - 0.25, dtype, what=mode)
+
+
+@pytest.mark.parametrize("with_compute_map", [True, False])
+def test_lazy_step_thunk_hands_the_state_on_without_a_copy(with_compute_map):
+    """The C backends' thunk, called by hand: a call that does not step puts the
+    state's own array in the output cell; a stepping call writes the new value
+    (numpy) into that same array. With or without a compute map, as PyTensor's
+    own Python thunk allows."""
+    from pytensor.graph.fg import FunctionGraph
+
+    from lasagne_accum.fast_ops import LazyStep
+
+    s_in, g_in = pt.vector(), pt.vector()
+    op = LazyStep(FunctionGraph([s_in, g_in], [s_in * 0.5 - g_in], clone=False), 1)
+    cond, state, g = pt.scalar("c", dtype="bool"), pt.vector("s"), pt.vector("g")
+    node = op.make_node(cond, state, g)
+    storage = {v: [None] for v in [*node.inputs, *node.outputs]}
+    computed = {v: [False] for v in node.outputs} if with_compute_map else None
+    thunk = op.make_thunk(node, storage, computed, [])
+    buf = np.arange(4.0)
+    storage[state][0], storage[g][0] = buf, np.full(4, 0.25)
+    storage[cond][0] = np.array(False)
+    thunk()
+    assert storage[node.outputs[0]][0] is buf
+    np.testing.assert_array_equal(buf, np.arange(4.0))
+    if with_compute_map:
+        assert computed[node.outputs[0]] == [True]
+    storage[node.outputs[0]][0] = None
+    storage[cond][0] = np.array(True)
+    thunk()
+    assert storage[node.outputs[0]][0] is buf
+    np.testing.assert_allclose(buf, np.arange(4.0) * 0.5 - 0.25, rtol=0, atol=1e-15)
 
 
 @pytest.mark.parametrize("dtype", ["float64"])  # the fill is the same code in either dtype
