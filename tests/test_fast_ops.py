@@ -412,6 +412,96 @@ def test_lazy_step_thunk_hands_the_state_on_without_a_copy(with_compute_map):
     np.testing.assert_allclose(buf, np.arange(4.0) * 0.5 - 0.25, rtol=0, atol=1e-15)
 
 
+def _one_state_lazy_fn(c_part=True, monkeypatch=None):
+    """LazyStep(cond, s, g) -> s * 0.5 - g on a shared `s`, compiled in C (CVM)."""
+    from pytensor.graph.fg import FunctionGraph
+
+    from lasagne_accum import fast_ops
+    from lasagne_accum.fast_ops import LazyStep
+
+    if not c_part:
+        monkeypatch.setattr(fast_ops, "_hand_on", [None])
+    s_in, g_in = pt.vector(), pt.vector()
+    op = LazyStep(FunctionGraph([s_in, g_in], [s_in * 0.5 - g_in], clone=False), 1)
+    state = pytensor.shared(np.arange(4.0), name="s")
+    cond, g = pt.scalar("c", dtype="bool"), pt.vector("g")
+    f = pytensor.function([cond, g], [], updates={state: op(cond, state, g)}, mode="CVM",
+                          accept_inplace=True)
+    (thunk,) = [t for n, t in zip(f.vm.nodes, f.vm.thunks) if n.op is op]
+    return state, f, thunk
+
+
+@pytest.mark.parametrize("c_part", [True, False])
+def test_lazy_step_in_the_c_vm(c_part, monkeypatch):
+    """PyTensor's C VM runs the op's C capsule (or, where it cannot be built,
+    the Python thunk), with the same results: a call that does not step hands
+    on the state's array, also an array the user put there between calls; a
+    stepping call writes the new value (numpy) into it."""
+    state, f, thunk = _one_state_lazy_fn(c_part, monkeypatch)
+    assert hasattr(thunk, "cthunk") == c_part
+    g = np.full(4, 0.25)
+    buf = state.get_value(borrow=True)
+    f(False, g)
+    assert state.get_value(borrow=True) is buf
+    np.testing.assert_array_equal(buf, np.arange(4.0))
+    mine = np.full(4, 3.0)
+    state.set_value(mine, borrow=True)  # a new array: the output cell still holds `buf`
+    f(False, g)
+    assert state.get_value(borrow=True) is mine
+    f(True, g)
+    assert state.get_value(borrow=True) is mine
+    np.testing.assert_allclose(mine, np.full(4, 3.0 * 0.5 - 0.25), rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("c_part", [True, False])
+def test_lazy_step_error_in_a_stepping_call_reaches_the_caller(c_part, monkeypatch):
+    """An exception raised by the rule (here a shape mismatch) comes out of the
+    call with its own type, the state untouched; the function works after it."""
+    state, f, _ = _one_state_lazy_fn(c_part, monkeypatch)
+    f(False, np.ones(3))  # nothing runs: no error
+    with pytest.raises(ValueError):
+        f(True, np.ones(3))
+    np.testing.assert_array_equal(state.get_value(), np.arange(4.0))
+    f(True, np.full(4, 0.25))
+    np.testing.assert_allclose(state.get_value(), np.arange(4.0) * 0.5 - 0.25, rtol=0,
+                               atol=1e-15)
+
+
+def test_lazy_step_c_part_frees_the_states_with_the_function():
+    """The capsule refers to the stepping call but not to the thunk holding it
+    (capsules are not garbage-collected: a cycle through one would keep the
+    function's storage, and the state arrays in it, alive for good)."""
+    import gc
+    import weakref
+
+    state, f, thunk = _one_state_lazy_fn()
+    assert hasattr(thunk, "cthunk")
+    buf = weakref.ref(state.get_value(borrow=True))
+    f(False, np.ones(4))
+    del state, f, thunk
+    gc.collect()
+    assert buf() is None
+
+
+def test_lazy_step_c_part_refuses_bad_arguments():
+    from lasagne_accum.fast_ops import _hand_on_module
+
+    module = _hand_on_module()
+    assert module is not None  # the test machine has the C compiler PyTensor uses
+    cell = [None]
+    module.make([None] * 3, cell, print, [[None]], [[None]])  # well formed
+    with pytest.raises(ValueError):
+        module.make([None] * 2, cell, print, [[None]], [[None]])  # error list of 3
+    with pytest.raises(ValueError):
+        module.make([None] * 3, cell, None, [[None]], [[None]])  # step not callable
+    with pytest.raises(ValueError):
+        module.make([None] * 3, cell, print, [[None]], [[None], [None]])  # 1 output, 2 states
+    with pytest.raises(TypeError):
+        module.make([None] * 3, cell, print, [[None, None]], [[None]])  # a cell of 2
+    with pytest.raises(TypeError):
+        module.make([None] * 3, cell, print, ([None],), [[None]])  # not a list
+
+
 @pytest.mark.parametrize("dtype", ["float64"])  # the fill is the same code in either dtype
 def test_lazy_step_zeroes_its_zero_states_after_reading_them(dtype):
     """A state in ``zeros`` is read by the inner graph, then filled with zeros
