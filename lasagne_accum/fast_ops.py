@@ -569,7 +569,10 @@ def _hand_on_module():
             from pytensor.link.c.cmodule import GCC_compiler, dlimport
 
             if config.cxx:
-                key = hashlib.sha256((_HAND_ON_C + sys.version).encode()).hexdigest()[:16]
+                args = GCC_compiler.compile_args()
+                # the flags name the CPU: a compile directory shared by machines keeps one each
+                key = hashlib.sha256(" ".join([_HAND_ON_C, sys.version, *args]).encode())
+                key = key.hexdigest()[:16]
                 name = f"lasagne_accum_lazy_step_{key}"
                 location = pathlib.Path(config.compiledir) / name
 
@@ -585,7 +588,7 @@ def _hand_on_module():
                             location.mkdir(parents=True, exist_ok=True)
                             GCC_compiler.compile_str(
                                 name, _HAND_ON_C.replace("MODULE_NAME", name),
-                                location=str(location), preargs=GCC_compiler.compile_args())
+                                location=str(location), preargs=args)
                             done.touch()
                 module = dlimport(str(built()[0]))
         except Exception as err:  # no compiler, a read-only compile directory, ...
