@@ -483,6 +483,31 @@ def test_lazy_step_c_part_frees_the_states_with_the_function():
     assert buf() is None
 
 
+def test_lazy_step_without_its_c_part_warns_and_runs_in_python(monkeypatch, caplog):
+    """Where the C module cannot be built (here the compile lock refuses, as a
+    read-only compile directory would), a warning says so and the op runs its
+    Python thunk, with the same result (numpy)."""
+    import pytensor.compile.compilelock as compilelock
+
+    from lasagne_accum import fast_ops
+
+    def refuse():
+        raise OSError("read-only compile directory")
+
+    monkeypatch.setattr(compilelock, "lock_ctx", refuse)
+    # a source never built, so that the build is tried
+    monkeypatch.setattr(fast_ops, "_HAND_ON_C", fast_ops._HAND_ON_C + "/* not built */\n")
+    monkeypatch.setattr(fast_ops, "_hand_on", [])
+    with caplog.at_level("WARNING", logger="lasagne_accum.fast_ops"):
+        assert fast_ops._hand_on_module() is None
+    assert "did not build" in caplog.text and "read-only compile directory" in caplog.text
+    state, f, thunk = _one_state_lazy_fn()
+    assert not hasattr(thunk, "cthunk")
+    f(True, np.full(4, 0.25))
+    np.testing.assert_allclose(state.get_value(), np.arange(4.0) * 0.5 - 0.25, rtol=0,
+                               atol=1e-15)
+
+
 def test_lazy_step_c_part_refuses_bad_arguments():
     from lasagne_accum.fast_ops import _hand_on_module
 
