@@ -727,8 +727,8 @@ def _make_lazy_step_class():
             self.prepare_node(node, storage_map, compute_map, impl)
             ins = [storage_map[v] for v in node.inputs]
             outs = [storage_map[v] for v in node.outputs]
-            cond = ins[0]
-            handed = list(zip(outs, ins[1:1 + self.n_states]))
+            cond, states = ins[0], ins[1:1 + self.n_states]
+            handed = list(zip(outs, states))
             # PyTensor's own Python thunk takes compute_map=None too
             computed = [] if compute_map is None else [compute_map[v] for v in node.outputs]
             perform = self.perform
@@ -755,8 +755,7 @@ def _make_lazy_step_class():
                 # capsule holds `step`, not `thunk` (which holds the capsule):
                 # capsules take no part in garbage collection, so a cycle
                 # through one would never be freed, nor the states with it
-                thunk.cthunk = module.make([None, None, None], cond, step, outs,
-                                           ins[1:1 + self.n_states])
+                thunk.cthunk = module.make([None, None, None], cond, step, outs, states)
             return thunk
 
         def perform(self, node, inputs, output_storage):

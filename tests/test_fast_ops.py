@@ -358,15 +358,20 @@ def test_lazy_step_holds_the_whole_rule():
         assert readers == {"LazyStep"}, (name, readers)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_lazy_step_op_on_its_own(dtype):
-    """LazyStep's C-backend thunk and its Numba code, against numpy, both branches."""
+def _halve_minus_g(dtype="float64"):
+    """A one-state LazyStep whose inner graph is ``s * 0.5 - g``."""
     from pytensor.graph.fg import FunctionGraph
 
     from lasagne_accum.fast_ops import LazyStep
 
     s_in, g_in = pt.vector(dtype=dtype), pt.vector(dtype=dtype)
-    op = LazyStep(FunctionGraph([s_in, g_in], [s_in * 0.5 - g_in], clone=False), 1)
+    return LazyStep(FunctionGraph([s_in, g_in], [s_in * 0.5 - g_in], clone=False), 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lazy_step_op_on_its_own(dtype):
+    """LazyStep's C-backend thunk and its Numba code, against numpy, both branches."""
+    op = _halve_minus_g(dtype)
     for mode in MODES:
         state = pytensor.shared(np.arange(4.0).astype(dtype), name="s")
         cond = pt.scalar("c", dtype="bool")
@@ -386,12 +391,7 @@ def test_lazy_step_thunk_hands_the_state_on_without_a_copy(with_compute_map):
     state's own array in the output cell; a stepping call writes the new value
     (numpy) into that same array. With or without a compute map, as PyTensor's
     own Python thunk allows."""
-    from pytensor.graph.fg import FunctionGraph
-
-    from lasagne_accum.fast_ops import LazyStep
-
-    s_in, g_in = pt.vector(), pt.vector()
-    op = LazyStep(FunctionGraph([s_in, g_in], [s_in * 0.5 - g_in], clone=False), 1)
+    op = _halve_minus_g()
     cond, state, g = pt.scalar("c", dtype="bool"), pt.vector("s"), pt.vector("g")
     node = op.make_node(cond, state, g)
     storage = {v: [None] for v in [*node.inputs, *node.outputs]}
@@ -414,15 +414,11 @@ def test_lazy_step_thunk_hands_the_state_on_without_a_copy(with_compute_map):
 
 def _one_state_lazy_fn(c_part=True, monkeypatch=None):
     """LazyStep(cond, s, g) -> s * 0.5 - g on a shared `s`, compiled in C (CVM)."""
-    from pytensor.graph.fg import FunctionGraph
-
     from lasagne_accum import fast_ops
-    from lasagne_accum.fast_ops import LazyStep
 
     if not c_part:
         monkeypatch.setattr(fast_ops, "_hand_on", [None])
-    s_in, g_in = pt.vector(), pt.vector()
-    op = LazyStep(FunctionGraph([s_in, g_in], [s_in * 0.5 - g_in], clone=False), 1)
+    op = _halve_minus_g()
     state = pytensor.shared(np.arange(4.0), name="s")
     cond, g = pt.scalar("c", dtype="bool"), pt.vector("g")
     f = pytensor.function([cond, g], [], updates={state: op(cond, state, g)}, mode="CVM",
