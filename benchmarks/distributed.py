@@ -4,12 +4,14 @@
 Three tables (Markdown), with the load average before and after:
 
 0. where a Dask push's time goes (async, 1 worker, the digits MLP): the median
-   push round trip, the compiled apply step, a no-op request to the shards of
-   the task's own process (no message) and to those of the other process by
-   three transports (a Dask actor call, the shard handler through the
-   worker's rpc pool and event loop, and the handler over the calling
-   thread's persisted comm, which the backend uses), and the push's arrays
-   through Dask's serialization and through one pickle, there and back.
+   push round trip by the backend's two transports (``transport="direct"``,
+   the default, and ``"dask"``), the compiled apply step, a no-op request to
+   the shards of the task's own process (no message) and to those of the
+   other process four ways (a Dask actor call, the shard handler through the
+   worker's rpc pool and event loop, the handler over the calling thread's
+   persisted Dask comm: ``transport="dask"``, and the thread's direct link:
+   ``"direct"``), and the push's arrays through Dask's serialization and
+   through one pickle, there and back.
 
 1. sync vs async, 1 vs 2 workers, local (threads) vs dask (a loopback
    LocalCluster of 2 processes): pushes per second during training (compiling
@@ -92,16 +94,18 @@ def time_to_target(result, score, target):
     return float("nan")
 
 
-def _probe(server, grads, n):
+def _probe(server, via_comm, grads, n):
     """Inside a Dask task: medians (s) of the ways to reach the shards, and of a push.
 
+    `server` uses direct links, `via_comm` (the same placement) Dask comms.
     A no-op request (``next_seq`` of one shard) to the shards of this process
-    (a direct call), and to those of the other process three ways: through
-    the Dask actor (the transport before), through the shard handler with
-    the worker's own rpc pool and event loop (a thread hop each way), and
-    over this thread's persisted comm (the transport now); the push's arrays
-    through Dask's per-array serialization and through one pickle, there and
-    back; and the push itself.
+    (a direct call), and to those of the other process four ways: through
+    the Dask actor (the transport before both), through the shard handler
+    with the worker's own rpc pool and event loop (a thread hop each way),
+    over this thread's persisted Dask comm (``transport="dask"``) and over
+    its direct link (``"direct"``); the push's arrays through Dask's
+    per-array serialization and through one pickle, there and back; and the
+    push itself by both transports.
     """
     import pickle
 
@@ -112,6 +116,7 @@ def _probe(server, grads, n):
 
     wid = "probe"
     version, _ = server.register(wid)
+    version_comm, _ = via_comm.register(wid)
     worker = distributed.get_worker()
     here = [i for i, g in enumerate(server._group_of) if server._here(g) is not None]
     there = [i for i, g in enumerate(server._group_of) if server._here(g) is None]
@@ -133,11 +138,12 @@ def _probe(server, grads, n):
         here=lambda: server._call(here[:1], "next_seq", [(wid,)]),
         actor=lambda: server._actors[g].call("next_seq", [(name, (wid,))]).result(),
         rpc=via_rpc,
-        comm=lambda: server._remote({g: job}, "probe")[g],
+        comm=lambda: via_comm._remote({g: job}, "probe")[g],
+        direct=lambda: server._remote({g: job}, "probe")[g],
         dask_ser=dask_ser,
         pickle=lambda: pickle.loads(pickle.dumps(grads, protocol=5)),
     )
-    times = {k: [] for k in list(ways) + ["push"]}
+    times = {k: [] for k in list(ways) + ["push", "push_comm"]}
     for i in range(n):
         for k, fn in ways.items():
             t = time.perf_counter()
@@ -146,7 +152,11 @@ def _probe(server, grads, n):
         t = time.perf_counter()
         version = server.push(wid, i, grads, version=version, pull=True)["version"]
         times["push"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        version_comm = via_comm.push(wid, i, grads, version=version_comm, pull=True)["version"]
+        times["push_comm"].append(time.perf_counter() - t)
     server.unregister(wid)
+    via_comm.unregister(wid)
     return {k: float(np.median(v)) for k, v in times.items()}
 
 
@@ -173,10 +183,14 @@ def breakdown(client, n=200):
 
     apply_s, zero, params = apply_time(n)
     server = DaskParameterServer(client, params, adam, dict(learning_rate=1e-3), mode="async")
+    via_comm = DaskParameterServer(client, params, adam, dict(learning_rate=1e-3),
+                                   mode="async", transport="dask")
     try:
-        parts = client.submit(_probe, server, zero, n, pure=False).result()
+        assert server.placement == via_comm.placement and server.transport == "direct"
+        parts = client.submit(_probe, server, via_comm, zero, n, pure=False).result()
     finally:
         server.close()
+        via_comm.close()
     return dict(parts, apply=apply_s)
 
 
@@ -236,16 +250,18 @@ def main(argv=None):
         print("| what | ms |")
         print("|---|---|")
         for key, what in (
-                ("push", "push round trip (pull=True, both processes)"),
+                ("push", "push round trip (pull=True, both processes), direct links"),
+                ("push_comm", "push round trip (pull=True, both processes), Dask comms"),
                 ("apply", "apply step (all shards, compiled)"),
                 ("here", "no-op request, shards of this process (direct call)"),
                 ("actor", "no-op request, other process: Dask actor call (before)"),
                 ("rpc", "no-op request, other process: handler via the worker's rpc and loop"),
-                ("comm", "no-op request, other process: handler over this thread's comm (now)"),
+                ("comm", "no-op request, other process: handler over this thread's Dask comm"),
+                ("direct", "no-op request, other process: this thread's direct link (now)"),
                 ("dask_ser", "the push's arrays through Dask's serialize, there and back"),
                 ("pickle", "the push's arrays pickled (protocol 5), there and back")):
             print(f"| {what} | {parts[key] * 1e3:.3f} |")
-        print(f"| push - apply | {(parts['push'] - parts['apply']) * 1e3:.3f} |")
+        print(f"| push - apply, direct links | {(parts['push'] - parts['apply']) * 1e3:.3f} |")
     print(f"\nDigits MLP 64-64-10 (float32), batch {args.batch_size}, Adam lr {args.lr}, "
           f"{args.epochs} epochs split over the workers; target training loss {args.target}.\n")
     print("| backend | mode | workers | pushes/s | vs 1 worker | median push ms | optimizer "

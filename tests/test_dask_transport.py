@@ -1,16 +1,22 @@
-"""The Dask backend's transport: the shard handler over persisted comms.
+"""The Dask backend's transports: direct links, and the shard handler over Dask comms.
 
-Calls from trainers (and from the client process) reach the shards through
-the comm handler that each shard process serves, not through Dask's actor
-calls. These tests check what that path must keep: exactly-once pushes when
-a persisted comm was closed under it, ShardLostError when the shards are
-gone, calls from a thread that runs an event loop, and cross-process
-all-or-nothing pushes. One loopback ``LocalCluster`` (2 processes) serves
-the module and is closed at the end.
+Calls from trainers (and from the client process) reach the shards over a
+persisted link per (thread, process), not through Dask's actor calls: a
+socket of the library's own (``transport="direct"``, the default) or a Dask
+comm to the comm handler that each shard process serves (``"dask"``). These
+tests check, for both, what that path must keep: exactly-once pushes when a
+persisted link was closed under it, ShardLostError when the shards are gone,
+calls from a thread that runs an event loop, cross-process all-or-nothing
+pushes, and TLS where the cluster uses it; and that a direct listener admits
+no link without the server's token. One loopback ``LocalCluster`` (2
+processes) serves the module and is closed at the end.
 """
 
 import asyncio
 import importlib.util
+import os
+import socket
+import ssl
 import time
 
 import numpy as np
@@ -41,20 +47,28 @@ def _server(client, **kw):
                                compile_mode="CVM", **kw)
 
 
-@pytest.fixture
-def server(client):
+@pytest.fixture(params=["direct", "dask"])
+def server(client, request):
     """A fresh async server on the module's cluster (one shard per process), closed after."""
-    s = _server(client)
+    s = _server(client, transport=request.param)
+    assert s.transport == request.param
     yield s
     s.close()
 
 
 def _abort_comms_from(peers, dask_worker):
-    """Abort this worker's incoming comms from the addresses `peers`; how many."""
+    """Abort this worker's incoming Dask comms from the addresses `peers`; how many."""
     comms = [c for c in list(dask_worker._comms) if c.peer_address in peers]
     for c in comms:
         c.abort()
     return len(comms)
+
+
+def _abort_direct_links(dask_worker):
+    """Abort every direct link this worker's listener serves; how many."""
+    from lasagne_accum.distributed.direct import listener_of
+
+    return listener_of(dask_worker).abort_links()
 
 
 def _installed(dask_worker):
@@ -94,8 +108,13 @@ def test_push_on_a_comm_closed_under_it_is_resent_and_applied_once(client, serve
     from lasagne_accum.distributed.dask import _links
 
     mine = [c.local_address for c in _links.comms.values()]
-    closed = client.run(_abort_comms_from, mine, workers=server.hosts)
-    assert sum(closed.values()) == 2
+    if server.transport == "direct":
+        assert all(isinstance(k, tuple) for k in _links.comms)      # no Dask comm used
+        closed = client.run(_abort_direct_links, workers=server.hosts)
+    else:
+        assert all(isinstance(k, str) for k in _links.comms)
+        closed = client.run(_abort_comms_from, mine, workers=server.hosts)
+    assert sum(closed.values()) >= 2
     time.sleep(0.2)
     r = server.push("a", 1, g, version=(1, 1))
     assert r["applied"] and not r["duplicate"] and r["version"] == (2, 2)
@@ -133,8 +152,9 @@ def test_calls_from_a_thread_running_an_event_loop(client, server):
     np.testing.assert_array_equal(params["b"], -np.ones(1))
 
 
-def test_released_shards_raise_shard_lost_within_the_timeout(client):
-    server = _server(client, wait_timeout=2.0)
+@pytest.mark.parametrize("transport", ["direct", "dask"])
+def test_released_shards_raise_shard_lost_within_the_timeout(client, transport):
+    server = _server(client, wait_timeout=2.0, transport=transport)
     server.register("a")
     server.close()                    # the actors go: their state is lost
     start = time.monotonic()
@@ -145,11 +165,61 @@ def test_released_shards_raise_shard_lost_within_the_timeout(client):
     assert time.monotonic() - start < 2.0 + 5.0 + 5.0
 
 
-def test_shard_comms_use_the_clusters_tls():
-    from lasagne_accum.distributed.dask import local_cluster
+def _token_answer(address, token):
+    """Open a plain TCP link to a direct listener, send `token` and close the sending side:
+    all that comes back before the listener closes the link."""
+    with socket.create_connection(address, timeout=10) as sock:
+        sock.sendall(token)
+        sock.shutdown(socket.SHUT_WR)
+        answer = b""
+        while chunk := sock.recv(64):
+            answer += chunk
+    return answer
+
+
+def test_direct_listener_admits_only_the_servers_token(client):
+    from lasagne_accum.distributed.dask import _links
+
+    server = _server(client)
+    other = _server(client)          # same processes, same listeners, another token
+    try:
+        assert server.transport == "direct" and None not in server._direct
+        assert server._direct == other._direct and server._token != other._token
+        for address in server._direct:
+            assert address[0] == "127.0.0.1"
+            assert _token_answer(address, os.urandom(16)) == b"\x00"    # refused, closed
+            assert _token_answer(address, b"x") == b""                # too short: closed
+            assert _token_answer(address, server._token) == b"\x01"    # admitted
+            with socket.create_connection(address, timeout=10) as sock:
+                sock.sendall(server._token + (1 << 40).to_bytes(8, "little") + b"junk")
+                assert sock.recv(1) == b"\x01"                        # admitted
+        server.register("a")
+        other.register("a")
+        r = server.push("a", 0, {"w": np.ones(3), "b": np.ones(1)}, version=(0, 0), pull=True)
+        np.testing.assert_array_equal(r["params"]["w"], -np.ones(3))
+        _, params = other.pull()                   # the other server's shards: untouched
+        np.testing.assert_array_equal(params["w"], np.zeros(3))
+        tokens = {k[2] for k in _links.comms if isinstance(k, tuple)}
+        assert {server._token, other._token} <= tokens
+    finally:
+        server.close()
+        other.close()
+    time.sleep(0.5)                  # the release reaches the workers asynchronously
+    for address in server._direct:   # the released server's token: refused
+        assert _token_answer(address, server._token) == b"\x00"
+
+
+def test_transport_is_checked(client):
+    with pytest.raises(ValueError, match="transport must be 'direct' or 'dask'"):
+        _server(client, transport="tcp")
+
+
+@pytest.mark.parametrize("transport", ["direct", "dask"])
+def test_shard_comms_use_the_clusters_tls(transport):
+    from lasagne_accum.distributed.dask import _links, local_cluster
 
     with local_cluster(2, security=True) as tls_client:
-        server = _server(tls_client)
+        server = _server(tls_client, transport=transport)
         try:
             assert all(h.startswith("tls://127.0.0.1:") for h in server.hosts)
             seen = tls_client.submit(_push_then_pull, server, "a", 3, pure=False).result(
@@ -157,5 +227,10 @@ def test_shard_comms_use_the_clusters_tls():
             assert seen == [(1, 1), (2, 2), (3, 3)]
             _, params = server.pull()                     # from the client's process
             np.testing.assert_array_equal(params["w"], -3 * np.ones(3))
+            if transport == "direct":
+                links = [_links.comms[k] for k in server._link_keys()]
+                assert all(isinstance(link._sock, ssl.SSLSocket) for link in links)
+                # the token in plain TCP: the TLS handshake fails and the link is closed
+                assert _token_answer(server._direct[0], server._token) == b""
         finally:
             server.close()
