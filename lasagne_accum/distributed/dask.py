@@ -10,19 +10,20 @@ Calls do not go through the actor machinery (two thread hops on each side
 and Dask's per-array serialization: about 2 ms per call on loopback).
 The call and its reply travel as one pickled buffer (protocol 5: the
 gradient arrays are copied as raw bytes, no per-array frames), one message
-each way, over one persisted link per (calling thread, shard process),
-driven by a private event loop in the caller's own thread (no thread hop).
-Two transports carry it (``transport=``):
+each way, over one persisted link per (calling thread, shard process), in
+the caller's own thread (no thread hop). Two transports carry it
+(``transport=``):
 
-* ``"direct"`` (the default): a socket of the library's own
-  (:mod:`~lasagne_accum.distributed.direct`), which each shard process opens
-  beside its Dask worker (same host, a random port, the cluster's TLS); a
-  link is refused unless it shows the server's token. About 0.1 ms there and
-  back on loopback for a no-op.
+* ``"direct"`` (the default): a blocking socket to a listener of the
+  library's own (:mod:`~lasagne_accum.distributed.direct`), which each shard
+  process opens beside its Dask worker (same host, a random port, the
+  cluster's TLS); a link is refused unless it shows the server's token. A
+  no-op request costs about 0.15 ms there and back on loopback.
 * ``"dask"``: a Dask comm to the comm handler ``"lasagne_accum_shards"``
-  that each shard process installs on its ``distributed.Worker``: no other
-  port (for networks that only let Dask's own through), about 0.45 ms.
-  Workers whose Dask address is neither TCP nor TLS use it too.
+  that each shard process installs on its ``distributed.Worker``, driven by
+  a private event loop in the caller's thread: no other port (for networks
+  that only let Dask's own through), about 0.43 ms. Workers whose Dask
+  address is neither TCP nor TLS use it too.
 
 A push to shards in several processes goes to all of them at once. The
 shards of the caller's own process are called directly, without a message.
@@ -360,8 +361,9 @@ class DaskParameterServer(BaseServer):
         default), a socket that each shard process opens beside its Dask
         worker (same host, a random port, the cluster's TLS, links checked
         against this server's random token); ``"dask"``, a Dask comm to the
-        comm handler :data:`HANDLER` (no other port; about 0.35 ms more per
-        call on loopback). See the module's notes.
+        comm handler :data:`HANDLER` (no other port; about 0.3 ms more per
+        call on loopback). See the module's notes. ``train`` builds its
+        server with the default; pass ``server=`` to choose.
 
     Shards are placed round-robin on the workers (``placement``); the shards
     of one worker live in one actor and answer one message per process and
