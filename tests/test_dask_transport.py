@@ -165,6 +165,24 @@ def test_released_shards_raise_shard_lost_within_the_timeout(client, transport):
     assert time.monotonic() - start < 2.0 + 5.0 + 5.0
 
 
+def test_shards_released_under_an_open_direct_link_drop_it(client):
+    from lasagne_accum.distributed.dask import _links
+
+    server = _server(client, wait_timeout=2.0)
+    server.register("a")                          # this thread's links are open now
+    keys = server._link_keys()
+    assert all(k in _links.comms for k in keys)
+    for f in server._futures:                     # the actors go, the links stay open
+        f.release()
+    server._futures, server._actors = [], []      # (close() would drop the links too)
+    with pytest.raises(ShardLostError, match="lost.*restart from a checkpoint"):
+        for _ in range(50):                       # the release reaches the workers later
+            server.pull()
+            time.sleep(0.1)
+    assert not any(k in _links.comms for k in keys)
+    server.close()
+
+
 def _token_answer(address, token):
     """Open a plain TCP link to a direct listener, send `token` and close the sending side:
     all that comes back before the listener closes the link."""

@@ -652,6 +652,7 @@ class DaskParameterServer(BaseServer):
             try:
                 return step()
             except lost as exc:
+                _links.drop([self._link_key(g)])     # shards released under an open link
                 out[g] = self._lost(g, what, exc, timeout)
             except Exception as exc:
                 out[g] = exc
