@@ -175,12 +175,19 @@ def test_shards_released_under_an_open_direct_link_drop_it(client):
     for f in server._futures:                     # the actors go, the links stay open
         f.release()
     server._futures, server._actors = [], []      # (close() would drop the links too)
+    end = time.monotonic() + 30
+    while time.monotonic() < end and any(      # the release reaches the workers later
+            set(server._keys) & set(a) for a in client.run(_actor_keys).values()):
+        time.sleep(0.05)
+    assert all(k in _links.comms for k in keys)   # still open
     with pytest.raises(ShardLostError, match="lost.*restart from a checkpoint"):
-        for _ in range(50):                       # the release reaches the workers later
-            server.pull()
-            time.sleep(0.1)
+        server.pull()                             # both processes answer: no such shards
     assert not any(k in _links.comms for k in keys)
     server.close()
+
+
+def _actor_keys(dask_worker):
+    return list(dask_worker.state.actors)
 
 
 def _token_answer(address, token):
@@ -225,6 +232,36 @@ def test_direct_listener_admits_only_the_servers_token(client):
     time.sleep(0.5)                  # the release reaches the workers asynchronously
     for address in server._direct:   # the released server's token: refused
         assert _token_answer(address, server._token) == b"\x00"
+
+
+def test_no_direct_socket_falls_back_to_dask_comms_with_a_warning(client, monkeypatch):
+    from lasagne_accum.distributed import dask
+
+    def unbindable(dask_worker):          # as a contact address that is not this machine's
+        return "OSError: [Errno 99] Cannot assign requested address"
+
+    monkeypatch.setattr(dask, "_listen", unbindable)
+    with pytest.warns(RuntimeWarning, match="direct links unavailable, using Dask comms.*"
+                                            "Cannot assign requested address"):
+        server = _server(client)
+    try:
+        assert server.transport == "dask" and server._direct == [None, None]
+        server.register("a")
+        r = server.push("a", 0, {"w": np.ones(3), "b": np.ones(1)}, version=(0, 0), pull=True)
+        np.testing.assert_array_equal(r["params"]["w"], -np.ones(3))
+    finally:
+        server.close()
+
+
+def test_listen_reports_a_socket_it_cannot_open():
+    from lasagne_accum.distributed import dask
+
+    class Worker:                          # what the listener reads of a distributed.Worker
+        address = "tcp://192.0.2.1:4000"   # TEST-NET-1: never this machine's
+        state = type("State", (), {"actors": {}})()
+        loop = None
+
+    assert dask._listen(Worker()).startswith("OSError")
 
 
 def test_transport_is_checked(client):

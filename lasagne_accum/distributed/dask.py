@@ -22,8 +22,10 @@ the caller's own thread (no thread hop). Two transports carry it
 * ``"dask"``: a Dask comm to the comm handler ``"lasagne_accum_shards"``
   that each shard process installs on its ``distributed.Worker``, driven by
   a private event loop in the caller's thread: no other port (for networks
-  that only let Dask's own through), about 0.43 ms. Workers whose Dask
-  address is neither TCP nor TLS use it too.
+  that only let Dask's own through), about 0.43 ms. A server whose workers'
+  Dask addresses are not all TCP or TLS uses it too, and so does one whose
+  shard processes cannot all open their socket (a ``RuntimeWarning`` says
+  why: a contact address that is not the machine's own, behind a NAT, say).
 
 A push to shards in several processes goes to all of them at once. The
 shards of the caller's own process are called directly, without a message.
@@ -57,6 +59,7 @@ import pickle
 import threading
 import time
 import uuid
+import warnings
 
 import numpy as np
 
@@ -98,8 +101,16 @@ class _Gone(Exception):
 
 
 def _listen(dask_worker):
-    """Run by ``client.run`` on a shard process: start its direct listener; ``(host, port)``."""
-    return direct.listen(dask_worker, lambda key, payload: _serve(dask_worker, key, payload))
+    """Run by ``client.run`` on a shard process: start its direct listener.
+
+    ``(host, port)``; None where the worker's address is not TCP or TLS; the
+    error as a string where the socket cannot be opened (an address to bind
+    that is not this machine's, behind a NAT, say).
+    """
+    try:
+        return direct.listen(dask_worker, lambda key, payload: _serve(dask_worker, key, payload))
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
 
 
 def install_handler(worker):
@@ -410,10 +421,16 @@ class DaskParameterServer(BaseServer):
         if transport == "direct":
             where = client.run(_listen, workers=self.hosts,
                                callback_timeout=options.wait_timeout + _GRACE)
-            if all(where[a] is not None for a in self.hosts):
+            if all(isinstance(where[a], (tuple, list)) for a in self.hosts):
                 self._direct = [tuple(where[a]) for a in self.hosts]
-            else:                           # a worker whose Dask address is not TCP or TLS
+            else:                           # not TCP or TLS, or no socket: Dask comms
                 self.transport, self._token = "dask", None
+                failed = {a: w for a, w in where.items() if isinstance(w, str)}
+                if failed:
+                    warnings.warn(
+                        "direct links unavailable, using Dask comms (transport='dask'): "
+                        + "; ".join(f"{a}: {w}" for a, w in failed.items()), RuntimeWarning,
+                        stacklevel=2)
         tag = uuid.uuid4().hex[:8]
         self._futures = []
         for g, address in enumerate(self.hosts):

@@ -64,15 +64,15 @@ class Listener:
         self.ssl = worker.security.get_listen_args("worker").get("ssl_context") \
             if protocol == "tls" else None
         self.host = get_address_host(worker.address)
+        self._sock = socket.create_server((self.host, 0), backlog=128,
+                                          family=socket.AF_INET6 if ":" in self.host
+                                          else socket.AF_INET)
+        self.port = self._sock.getsockname()[1]
         self._serve = serve
         self._actors = worker.state.actors  # actor key -> actor, kept by Dask
         self._tokens: dict = {}           # token -> actor key
         self._writers: set = set()
         self._loop = worker.loop.asyncio_loop
-        self._sock = socket.create_server((self.host, 0), backlog=128,
-                                          family=socket.AF_INET6 if ":" in self.host
-                                          else socket.AF_INET)
-        self.port = self._sock.getsockname()[1]
         self._server = None
         # the socket listens already: links made before the server starts wait in its backlog
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._start()))
