@@ -175,10 +175,7 @@ def test_shards_released_under_an_open_direct_link_drop_it(client):
     for f in server._futures:                     # the actors go, the links stay open
         f.release()
     server._futures, server._actors = [], []      # (close() would drop the links too)
-    end = time.monotonic() + 30
-    while time.monotonic() < end and any(      # the release reaches the workers later
-            set(server._keys) & set(a) for a in client.run(_actor_keys).values()):
-        time.sleep(0.05)
+    _wait_released(client, server)
     assert all(k in _links.comms for k in keys)   # still open
     with pytest.raises(ShardLostError, match="lost.*restart from a checkpoint"):
         server.pull()                             # both processes answer: no such shards
@@ -188,6 +185,14 @@ def test_shards_released_under_an_open_direct_link_drop_it(client):
 
 def _actor_keys(dask_worker):
     return list(dask_worker.state.actors)
+
+
+def _wait_released(client, server, timeout=30):
+    """Until no worker holds `server`'s actors (a release reaches the workers later)."""
+    end = time.monotonic() + timeout
+    while any(set(server._keys) & set(a) for a in client.run(_actor_keys).values()):
+        assert time.monotonic() < end, "the actors were not released"
+        time.sleep(0.05)
 
 
 def _token_answer(address, token):
@@ -229,7 +234,7 @@ def test_direct_listener_admits_only_the_servers_token(client):
     finally:
         server.close()
         other.close()
-    time.sleep(0.5)                  # the release reaches the workers asynchronously
+    _wait_released(client, server)
     for address in server._direct:   # the released server's token: refused
         assert _token_answer(address, server._token) == b"\x00"
 

@@ -79,8 +79,8 @@ SAME_PROCESS_SHORTCUT = True   # a task calls the shards of its own process with
 
 
 def _closed():
-    """The errors that say a link was closed (Dask's, and the sockets')."""
-    return (_require_distributed().comm.CommClosedError, OSError, EOFError)
+    """The errors that say a Dask comm was closed."""
+    return (_require_distributed().comm.CommClosedError, OSError)
 
 
 def _require_distributed():
@@ -328,15 +328,10 @@ class _Links(threading.local):
 
     def drop(self, keys=None):
         """Close this thread's links (those under `keys`, default all)."""
-        aborted = False
         for key in list(self.comms if keys is None else keys):
             comm = self.comms.pop(key, None)
             if comm is not None:
                 comm.abort()
-                aborted = True
-        loop = self.loop
-        if aborted and loop is not None and not loop.is_closed() and not loop.is_running():
-            loop.run_until_complete(asyncio.sleep(0))     # the sockets close in a callback
 
 
 _links = _Links()
