@@ -15,15 +15,19 @@ processes) serves the module and is closed at the end.
 import asyncio
 import importlib.util
 import os
+import pickle
 import socket
 import ssl
+import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
 
 from lasagne_accum import sgd
-from lasagne_accum.distributed import PushRejected, ShardLostError, UnknownWorkerError
+from lasagne_accum.distributed import PushRejected, ServerClosedError, ShardLostError, \
+    UnknownWorkerError
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("distributed") is None,
                                 reason="needs dask[distributed]")
@@ -154,15 +158,36 @@ def test_calls_from_a_thread_running_an_event_loop(client, server):
 
 @pytest.mark.parametrize("transport", ["direct", "dask"])
 def test_released_shards_raise_shard_lost_within_the_timeout(client, transport):
+    from lasagne_accum.distributed.dask import _links
+
     server = _server(client, wait_timeout=2.0, transport=transport)
     server.register("a")
+    copy = pickle.loads(pickle.dumps(server))     # what a task holds: it does not see close()
     server.close()                    # the actors go: their state is lost
+    _wait_released(client, server)
     start = time.monotonic()
     with pytest.raises(ShardLostError, match="lost.*restart from a checkpoint"):
-        for _ in range(50):           # the release reaches the workers asynchronously
-            server.pull()
-            time.sleep(0.1)
-    assert time.monotonic() - start < 2.0 + 5.0 + 5.0
+        copy.pull()
+    assert time.monotonic() - start < 2.0 + 5.0
+    if transport == "direct":         # its links were the released shards': none left open
+        assert not any(k in _links.comms for k in copy._link_keys())
+
+
+@pytest.mark.parametrize("transport", ["direct", "dask"])
+def test_a_closed_server_refuses_calls_at_once(client, transport):
+    from lasagne_accum.distributed.dask import _links
+
+    server = _server(client, transport=transport)
+    server.register("a")
+    server.close()
+    for call in (server.pull, server.stats, server.actor_pids, lambda: server.register("b"),
+                 lambda: server.push("a", 0, {"w": np.ones(3), "b": np.ones(1)},
+                                     version=(0, 0))):
+        with pytest.raises(ServerClosedError, match="DaskParameterServer was closed"):
+            call()
+    # refused before any link is opened: the actors may not be released yet, and a new
+    # link to a process that still holds them would stay open in this thread
+    assert not any(k in _links.comms for k in server._link_keys())
 
 
 def test_shards_released_under_an_open_direct_link_drop_it(client):
@@ -181,6 +206,30 @@ def test_shards_released_under_an_open_direct_link_drop_it(client):
         server.pull()                             # both processes answer: no such shards
     assert not any(k in _links.comms for k in keys)
     server.close()
+
+
+def test_direct_links_of_an_ended_thread_are_closed(client):
+    from lasagne_accum.distributed.dask import _links
+
+    server = _server(client)
+    sockets = []
+
+    def call():                       # a short-lived thread: its links are its own
+        server.pull()
+        sockets.extend(link._sock for link in _links.comms.values())
+
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            thread = threading.Thread(target=call)
+            thread.start()
+            thread.join(timeout=30)
+            del thread
+        assert len(sockets) == 2                          # one per shard process
+        assert all(s.fileno() == -1 for s in sockets)     # closed when the thread ended
+        assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+    finally:
+        server.close()
 
 
 def _actor_keys(dask_worker):

@@ -29,6 +29,7 @@ from lasagne_accum.distributed import (
     PushRejected,
     RoundFailedError,
     RoundTimeoutError,
+    ServerClosedError,
     StalePushError,
     UnknownWorkerError,
     Worker,
@@ -466,6 +467,30 @@ def test_bad_pull_and_errors_are_specific(served):
         served.pull(shards=["nope"])
     with pytest.raises(UnknownWorkerError):
         served.push("stranger", 0, GOOD, version=(1, 1))
+
+
+def test_a_closed_server_refuses_every_call(served):
+    _, before = served.pull()
+    with served:                        # a with-block closes it at the end
+        pass
+    assert served.closed
+    calls = {
+        "pull": lambda: served.pull(),
+        "push": lambda: served.push("good", 1, GOOD, version=(1, 1)),
+        "register": lambda: served.register("other"),
+        "next_seq": lambda: served.next_seq("good"),
+        "unregister": lambda: served.unregister("good"),
+        "stats": lambda: served.stats(),
+        "state": lambda: served.state(),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ServerClosedError, match="ParameterServer was closed"):
+            call()
+    served.close()                      # closing twice is allowed
+    for s in served.shards:             # nothing reached the shards
+        assert s.stats()["applied"] == 1 and s.stats()["rejected"] == 0
+        for n in s.params:
+            np.testing.assert_array_equal(s.params[n].get_value(), before[n])
 
 
 def test_sync_rejects_stale_and_partial_pushes():

@@ -24,6 +24,7 @@ __all__ = [
     "RoundTimeoutError",
     "ServerTimeoutError",
     "ShardLostError",
+    "ServerClosedError",
 ]
 
 MODES = ("sync", "async")
@@ -61,6 +62,10 @@ class ServerTimeoutError(TimeoutError):
 
 class ShardLostError(RuntimeError):
     """A process holding shards did not answer: their state since the last checkpoint is lost."""
+
+
+class ServerClosedError(RuntimeError):
+    """A call on a server after its ``close()`` (a Dask server's shards are released then)."""
 
 
 def _check_seconds(value, name, allow_none=True):

@@ -446,6 +446,7 @@ class DaskParameterServer(BaseServer):
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_futures"] = []
+        state["_actors"] = []               # an unpickled handle would hold its actor's key
         state["_client_args"] = None         # SSL contexts do not pickle; a task uses its worker's
         return state
 
@@ -687,6 +688,7 @@ class DaskParameterServer(BaseServer):
 
     def _run(self, jobs, what, extra=0.0):
         """``{g: (method, args)}``: the shards of this process directly, the others by message."""
+        self._check_open()
         out = {}
         here = {g: self._here(g) for g in jobs}
 
@@ -796,7 +798,13 @@ class DaskParameterServer(BaseServer):
         return {self.hosts[g]: pid for g, pid in outs.items()}
 
     def close(self):
-        """Release the shard actors (their state is lost: :meth:`save` first)."""
+        """Release the shard actors (their state is lost: :meth:`save` first).
+
+        Later calls on this object raise ``ServerClosedError``. A copy that a
+        task took before (pickled) does not know: its calls raise
+        ``ShardLostError`` once the release has reached the workers.
+        """
+        self.closed = True
         links = self._link_keys() if hasattr(self, "_direct") else []
         _links.drop(links)
         if _helper is not None:

@@ -213,3 +213,11 @@ class Link:
 
     def abort(self):
         self._sock.close()
+
+    def __del__(self):
+        # the thread that held it ended (its table of links went with it): close the socket
+        # here, as drop() would have, rather than leave it to the socket's own finalizer
+        try:
+            self._sock.close()
+        except Exception:
+            pass

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..state import read_arrays, save_arrays
-from .checks import PushRejected, ServerOptions, check_grads, check_seq, check_version, \
-    check_weight, check_worker_id, named_params, param_specs, plan_shards
+from .checks import PushRejected, ServerClosedError, ServerOptions, check_grads, check_seq, \
+    check_version, check_weight, check_worker_id, named_params, param_specs, plan_shards
 from .shard import Shard, push_atomic
 
 if TYPE_CHECKING:
@@ -314,8 +314,20 @@ class BaseServer:
                                          for part in parts])
         return list(arrays)
 
+    closed = False
+
     def close(self) -> None:
-        pass
+        """Close the server: later calls on it raise ``ServerClosedError``.
+
+        ``ParameterServer`` holds nothing else to free; a Dask server
+        releases its shard actors (their state is lost: :meth:`save` first).
+        """
+        self.closed = True
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ServerClosedError(f"this {type(self).__name__} was closed: its calls are "
+                                    "refused (make a new server, or load a checkpoint into one)")
 
     def __enter__(self):
         return self
@@ -380,9 +392,11 @@ class ParameterServer(BaseServer):
                              rule_kwargs, options) for s, group in self.plan.items()]
 
     def _call(self, indices, method, args_list):
+        self._check_open()
         return [getattr(self.shards[i], method)(*args) for i, args in zip(indices, args_list)]
 
     def _push(self, indices, calls, pull, wait):
+        self._check_open()
         shards = [self.shards[i] for i in indices]
         results = push_atomic(shards, calls, pull=pull)
         if self.mode != "sync" or not wait:
