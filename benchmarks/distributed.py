@@ -112,7 +112,7 @@ def _probe(server, via_comm, grads, n):
     import distributed
     from distributed.protocol import deserialize_bytes, serialize_bytelist
 
-    from lasagne_accum.distributed.dask import HANDLER
+    from lasagne_accum.distributed.dask import HANDLER, ShardActor
 
     wid = "probe"
     version, _ = server.register(wid)
@@ -125,6 +125,7 @@ def _probe(server, via_comm, grads, n):
     job = ("call", ("next_seq", [(name, (wid,))]))
     payload = pickle.dumps(job, protocol=5)
     rpc = worker.rpc(server.hosts[g])
+    actor = distributed.Actor(ShardActor, server.hosts[g], server._keys[g])   # a handle here
 
     def via_rpc():
         return distributed.utils.sync(worker.loop, lambda: getattr(rpc, HANDLER)(
@@ -136,7 +137,7 @@ def _probe(server, via_comm, grads, n):
 
     ways = dict(
         here=lambda: server._call(here[:1], "next_seq", [(wid,)]),
-        actor=lambda: server._actors[g].call("next_seq", [(name, (wid,))]).result(),
+        actor=lambda: actor.call("next_seq", [(name, (wid,))]).result(),
         rpc=via_rpc,
         comm=lambda: via_comm._remote({g: job}, "probe")[g],
         direct=lambda: server._remote({g: job}, "probe")[g],
