@@ -486,6 +486,7 @@ def test_a_closed_server_refuses_every_call(served):
     for name, call in calls.items():
         with pytest.raises(ServerClosedError, match="ParameterServer was closed"):
             call()
+            pytest.fail(f"{name} did not raise")
     served.close()                      # closing twice is allowed
     for s in served.shards:             # nothing reached the shards
         assert s.stats()["applied"] == 1 and s.stats()["rejected"] == 0

@@ -427,26 +427,24 @@ class DaskParameterServer(BaseServer):
                         + "; ".join(f"{a}: {w}" for a, w in failed.items()), RuntimeWarning,
                         stacklevel=2)
         tag = uuid.uuid4().hex[:8]
-        self._futures = []
-        for g, address in enumerate(self.hosts):
+        self._keys = [f"lasagne-shards-{g}-{tag}" for g in range(len(self.hosts))]
+        self._futures = []            # they hold the actors (calls go by key, not by handle)
+        for address, key in zip(self.hosts, self._keys):
             specs = [(s, {n: arrays[n] for n in self.plan[s]}, update_rule, rule_kwargs)
                      for s in self.shard_names if self.placement[s] == address]
-            key = f"lasagne-shards-{g}-{tag}"
             self._futures.append(client.submit(
                 ShardActor, specs, options, key, self._token, actor=True, workers=[address],
                 allow_other_workers=False, pure=False, key=key))
         try:
-            self._actors = [f.result(timeout=options.wait_timeout + _GRACE)
-                            for f in self._futures]
+            for f in self._futures:   # the actors have started
+                f.result(timeout=options.wait_timeout + _GRACE)
         except BaseException:
             self.close()
             raise
-        self._keys = [a.key for a in self._actors]
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_futures"] = []
-        state["_actors"] = []               # an unpickled handle would hold its actor's key
         state["_client_args"] = None         # SSL contexts do not pickle; a task uses its worker's
         return state
 
@@ -812,7 +810,6 @@ class DaskParameterServer(BaseServer):
         for f in getattr(self, "_futures", []):
             f.release()
         self._futures = []
-        self._actors = []             # the handles hold the actors' keys too
 
 
 @contextlib.contextmanager
