@@ -8,7 +8,7 @@ graph, seconds each on a cold cache. So every test runs in ``CHEAP_MODE``
 (PyTensor's Python ``perform`` implementations behind the same ``fast_run``
 graph rewrites as the C backend: nothing is compiled) unless
 
-* it lives in ``tests/test_fast_ops.py`` (the in-place Gemm and LazyStep
+* it lives in ``tests/test_fast_paths.py`` (the in-place Gemm and LazyStep
   rewrites of the C and Numba backends) or ``tests/test_backends.py``, the
   cross-backend module that
   compiles for real under C, Numba, JAX and PyTorch and compares them, or
@@ -26,6 +26,7 @@ the duration of each test; a test that passes a ``Mode`` object, ``"JAX"`` or
 
 import fnmatch
 import os
+import sys
 
 import pytensor
 import pytest
@@ -37,7 +38,7 @@ from pytensor.compile import mode as _pt_mode
 #: in Python, while unfused elementwise ops are single numpy calls.
 CHEAP_MODE = _pt_mode.Mode(linker="py", optimizer="fast_run").excluding("fusion")
 _SWAPPED = ("CVM", "C", "NUMBA", "FAST_COMPILE")
-_REAL_MODULES = ("test_backends.py", "test_fast_ops.py")
+_REAL_MODULES = ("test_backends.py", "test_fast_paths.py")
 #: Tests compiled for real, as ``fnmatch`` patterns of the test's name with its
 #: parameters. The first calls one small function a million times: Python
 #: ``perform`` costs more per call than compiling once.
@@ -75,25 +76,29 @@ def _wants_real_backend(request):
     return os.path.basename(str(getattr(node, "fspath", ""))) in _REAL_MODULES
 
 
-#: The suite compiles PyTensor's C modules against precompiled headers
-#: (:func:`lasagne_accum.training.use_precompiled_headers`) and several at a
-#: time (:func:`lasagne_accum.training.use_parallel_compile`, one per core): the
-#: same object code (``tests/test_compiling.py``), compiled faster.
-#: ``LASAGNE_ACCUM_TEST_PCH=0`` and ``LASAGNE_ACCUM_TEST_JOBS=1`` compile as
-#: plain PyTensor does.
+#: The modules that compile for real opt in to ``tools/fastcompile.py`` (precompiled
+#: headers, several C modules at a time: the same object code, compiled faster) with
+#: ``pytestmark = pytest.mark.usefixtures("fast_compiles")``.
+#: ``LASAGNE_ACCUM_TEST_PCH=0`` and ``LASAGNE_ACCUM_TEST_JOBS=1`` compile as plain
+#: PyTensor does there too.
 _PCH = os.environ.get("LASAGNE_ACCUM_TEST_PCH", "1") != "0"
 _JOBS = int(os.environ["LASAGNE_ACCUM_TEST_JOBS"]) if os.environ.get(
     "LASAGNE_ACCUM_TEST_JOBS") else None
+_TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools")
 
 
-@pytest.fixture(autouse=True)
-def _compile_speedups():
-    """Put the suite's choice back before each test (a test or doctest may switch it)."""
-    from lasagne_accum.compiling import use_parallel_compile, use_precompiled_headers
+@pytest.fixture(scope="module")
+def fast_compiles():
+    """Compile this module's C modules with ``tools/fastcompile.py``; off again after it."""
+    if _TOOLS not in sys.path:
+        sys.path.insert(0, _TOOLS)
+    import fastcompile
 
-    use_precompiled_headers(_PCH)
-    use_parallel_compile(_JOBS)
+    fastcompile.use_precompiled_headers(_PCH)
+    fastcompile.use_parallel_compile(_JOBS)
     yield
+    fastcompile.use_precompiled_headers(False)
+    fastcompile.use_parallel_compile(1)
 
 
 @pytest.fixture(autouse=True)
@@ -104,6 +109,5 @@ def _cheap_compile_mode(request, monkeypatch):
         return
     for name in _SWAPPED:
         monkeypatch.setitem(_pt_mode.predefined_modes, name, CHEAP_MODE)
-    monkeypatch.setitem(_pt_mode._CACHED_RUNTIME_MODES,
-                        ("MODE", pytensor.config.linker), CHEAP_MODE)
-    yield
+    with pytensor.config.change_flags(mode=CHEAP_MODE):   # mode=None
+        yield

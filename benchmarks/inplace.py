@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """The accumulate step against a forward-backward call, in Numba and C (issue 13, item 1).
 
-For each mode (``NUMBA``: PyTensor 3's default, ``CVM``: C with BLAS) and
-dtype, on ``common.mlp`` (784-512-10, batch 64):
+For each mode (``NUMBA``: PyTensor 3's default, ``CVM``: C with BLAS; each
+compiled through ``lasagne_accum.mode``) and dtype, on ``common.mlp``
+(784-512-10, batch 64):
 
 * ``acc``: ``pytensor.function([x, y], loss, updates=acc.accumulate)`` with
   ``acc = lasagne_accum.accumulate_gradients(loss, params)``;
@@ -51,6 +52,7 @@ DTYPES = ("float32", "float64")
 
 
 def build(mode, dtype):
+    mode = la.mode(mode)
     (x, y), params, loss = mlp(dtype)
     acc = la.accumulate_gradients(loss, params)
     grads = pytensor.grad(loss, params)

@@ -8,13 +8,15 @@ For each installed backend, on the 784-512-10 MLP (batch 64, Adam, N=4):
   of a window), ``step``: the N-th call;
 * ratios ``non-step / acc`` and ``step / (acc + apply)`` (targets: <= 1.05).
 
-Four graph choices are compared: ``lazy`` (the default: the rule behind
-``ifelse``, which the library turns into its ``LazyStep`` op in C and Numba:
-the rule runs in place on stepping calls only), ``ifelse`` (the same graph
-compiled without that rewrite: PyTensor's own ``IfElse``), ``switch`` (the
-rule computed every call and selected) and ``select``: ``lazy`` without the
-rewrite that folds the buffer's reset, ``select(stale, 0, acc) + dot``,
-into the ``Gemm``'s beta (the select then costs a buffer-sized pass per call).
+Every function is compiled with ``lasagne_accum.mode(<backend>)``. Four graph
+choices are compared: ``lazy`` (the default: the rule behind one lazy step,
+which the library's mode compiles to its ``LazyStep`` op in C and Numba: the
+rule runs in place on stepping calls only), ``ifelse`` (the same graph with
+the rewrite ``lasagne_accum_lazy_step`` left out: PyTensor's own ``IfElse``),
+``switch`` (the rule computed every call and selected) and ``select``:
+``lazy`` without the rewrite that folds the buffer's reset,
+``select(stale, 0, acc) + dot``, into the ``Gemm``'s beta (the select then
+costs a buffer-sized pass per call).
 A ``control`` row times a second, identical two-function pair the same way:
 its ratios would be 1 without noise, so their distance from 1 is the
 resolution of the method.
@@ -41,17 +43,18 @@ import sys
 import time
 
 import pytensor
-from pytensor.compile.mode import get_mode
 
 from common import LR, PROTO, available_modes, batch, load_average, median, mlp
 
-from lasagne_accum import accumulate_gradients, adam, with_accumulated_gradients
+from lasagne_accum import accumulate_gradients, adam, mode as la_mode, \
+    with_accumulated_gradients
 
 VARIANTS = ("lazy", "select", "ifelse", "switch")
 
 
 def two_function(mode, dtype):
     """The two-function form on its own parameters: (accumulate, apply with the reset)."""
+    mode = la_mode(mode)
     (x, y), params, loss = mlp(dtype)
     acc = accumulate_gradients(loss, params)
     apply = adam(acc.grads, params, LR)
@@ -68,11 +71,12 @@ def build(mode, dtype, every, rng):
     other way round, at 1.034-1.046 (C, float32). A fixed order would favour
     whatever is built late, the variants included.
     """
-    plain = get_mode(mode).excluding("lasagne_accum_lazy_step_c", "lasagne_accum_lazy_step_numba")
-    select = get_mode(mode).excluding("lasagne_accum_gemm_reset")
-    # "ifelse": the lazy form as PyTensor compiles it without the library's LazyStep rewrite
-    variants = {"lazy": (True, mode), "select": (True, select), "ifelse": (True, plain),
-                "switch": (False, mode)}
+    ours = la_mode(mode)
+    plain = ours.excluding("lasagne_accum_lazy_step")
+    select = ours.excluding("lasagne_accum_gemm_reset")
+    # "ifelse": the lazy form as PyTensor compiles it without the library's LazyStep
+    variants = {"lazy": (True, ours), "select": (True, select), "ifelse": (True, plain),
+                "switch": (False, ours)}
 
     def single_function(variant):
         lazy, m = variants[variant]

@@ -42,8 +42,7 @@ import time
 import numpy as np
 import pytensor
 
-from lasagne_accum import accumulate_gradients, collect_state, momentum
-from lasagne_accum.training import use_parallel_compile, use_precompiled_headers
+from lasagne_accum import accumulate_gradients, collect_state, mode, momentum
 
 import models
 
@@ -151,10 +150,10 @@ class Experiment:
                         for var in collect_state(accumulate, apply).values()}
         with models.compiling(f"the accumulate step ({args.mode})"):
             self.step = pytensor.function([self.model.x, self.model.y], self.model.loss,
-                                          updates=accumulate, mode=args.mode)
+                                          updates=accumulate, mode=mode(args.mode))
             self.step(*example)       # Numba compiles on the first call; reset() undoes the step
         with models.compiling(f"the momentum apply step ({args.mode})"):
-            self.apply = pytensor.function([], [], updates=apply, mode=args.mode)
+            self.apply = pytensor.function([], [], updates=apply, mode=mode(args.mode))
             self.apply()              # the same (an empty window: changes nothing)
         self.step.trust_input = self.apply.trust_input = True   # batches have the right dtype
         self.evaluate = self.model.evaluator(models.PYTHON_MODE)
@@ -233,12 +232,9 @@ def main(argv=None):
     print(f"{args.model.upper()} on {len(data[0])} training / {len(data[2])} test digits "
           f"({side}x{side}), Lasagne's momentum; lr={decimal(args.lr)}, "
           f"small lr={decimal(small_lr)}; {args.epochs} epochs per row", flush=True)
-    # g++ parses Python's and numpy's headers once, not once per C module
-    # (lasagne_accum.training.use_precompiled_headers: cold runs about 17% faster)
-    use_precompiled_headers(not args.no_pch)
-    # g++ runs on several of a function's modules at once, not one by one
-    # (lasagne_accum.training.use_parallel_compile)
-    use_parallel_compile(args.jobs)
+    # g++ parses Python's and numpy's headers once, not once per C module, and
+    # runs on several of a function's modules at once (tools/fastcompile.py)
+    models.fast_compiles(not args.no_pch, args.jobs)
     start = time.perf_counter()
     experiment = Experiment(args, side, (data[0][:1], data[1][:1]))
     results = []

@@ -30,7 +30,7 @@ import pytensor
 
 import lasagne_accum
 from lasagne_accum import ModelAverage
-from lasagne_accum.training import compile_accumulation, default_modes, run_epoch
+from lasagne_accum import compile_accumulation, default_modes, run_epoch
 
 import models
 
@@ -87,7 +87,7 @@ def build_trainer(model, args, steps_per_epoch):
     if average:
         updates.update(average.updates)
     train_fn = pytensor.function([x, y], model.loss, updates=updates,
-                                 mode=args.mode or default_modes()[0])
+                                 mode=lasagne_accum.mode(args.mode or default_modes()[0]))
 
     def train_epoch(batches, desc):
         bar = models.progress(batches, desc=desc, enabled=not args.no_progress)

@@ -18,6 +18,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 
+import lasagne_accum
 from lasagne_accum import updates as rules
 from lasagne_accum.distributed import train
 
@@ -126,7 +127,8 @@ def main(argv=None):
     (x, yv), params, loss, logits = mlp(args.hidden)
     for p in params:
         p.set_value(result.params[p.name])
-    evaluate = pytensor.function([x, yv], [loss, pt.eq(pt.argmax(logits, axis=1), yv).mean()])
+    evaluate = pytensor.function([x, yv], [loss, pt.eq(pt.argmax(logits, axis=1), yv).mean()],
+                                 mode=lasagne_accum.mode(lasagne_accum.default_modes()[0]))
     per_epoch = len(data[0]) // args.epochs
     print("epoch  mean batch loss (all workers)")
     for e in range(args.epochs):

@@ -37,7 +37,7 @@ import time
 import numpy as np
 import pytensor
 
-from lasagne_accum import collect_state, lars, momentum
+from lasagne_accum import collect_state, lars, mode, momentum
 from lasagne_accum.schedules import linear_scaling, linear_warmup
 
 import models
@@ -140,7 +140,7 @@ class Experiment:
         self.train_fns, self.initial = {}, {}
         for kind in needed:
             self.train_fns[kind] = pytensor.function([m.x, m.y], m.loss, updates=rules[kind],
-                                                     mode=args.mode)
+                                                     mode=mode(args.mode))
             for var in collect_state(rules[kind]).values():
                 self.initial[var] = var.get_value(borrow=False)
         self.evaluate = m.evaluator(args.mode)

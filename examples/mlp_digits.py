@@ -15,7 +15,7 @@ import numpy as np
 import pytensor
 
 import lasagne_accum
-from lasagne_accum.training import compile_accumulation, default_modes, run_epoch
+from lasagne_accum import compile_accumulation, default_modes, run_epoch
 
 import models
 
@@ -31,7 +31,7 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=models.positive_int, default=64,
                    help="hidden units of the MLP")
     models.add_flags(p, mode=(None, "PyTensor mode for both functions (NUMBA, CVM, JAX); "
-                                    "default: lasagne_accum.training.default_modes(), C for "
+                                    "default: lasagne_accum.default_modes(), C for "
                                     "accumulation and Numba for the apply step when C links "
                                     "to BLAS"),
                      seed=0, no_progress=False)
@@ -52,7 +52,7 @@ def main(argv=None):
             mode=args.mode,
         )
         evaluate = pytensor.function([x, model.y], [model.loss, model.accuracy],
-                                     mode=args.mode)
+                                     mode=lasagne_accum.mode(modes[0]))
     print(f"lasagne_accum {lasagne_accum.__version__}, pytensor {pytensor.__version__}; "
           f"modes: accumulate={modes[0]}, apply={modes[1]}")
     print(f"digits: {len(X_train)} train / {len(X_test)} test; {args.optimizer} lr={args.lr}, "

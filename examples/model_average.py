@@ -26,7 +26,7 @@ import numpy as np
 import pytensor
 
 from lasagne_accum import ExponentialMovingAverage, ModelAverage, accumulate_gradients
-from lasagne_accum.training import default_modes
+from lasagne_accum import default_modes, mode
 
 import models
 
@@ -69,7 +69,8 @@ def main(argv=None):
     apply.update(window.updates)
     apply.update(ema.updates)
     apply.update(reset)
-    acc_mode, apply_mode = (args.mode, args.mode) if args.mode else default_modes()
+    acc_mode, apply_mode = (mode(m) for m in ((args.mode, args.mode) if args.mode
+                                               else default_modes()))
     with models.compiling(f"the accumulate ({acc_mode}) and apply ({apply_mode}) functions"):
         step_fn = pytensor.function([model.x, model.y], model.loss, updates=accu, mode=acc_mode)
         apply_fn = pytensor.function([], [], updates=apply, mode=apply_mode)

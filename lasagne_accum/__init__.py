@@ -1,22 +1,25 @@
 """lasagne_accum: Lasagne-style symbolic update rules for PyTensor.
 
 Every function builds graph and returns an ``OrderedDict`` of updates for
-``pytensor.function``; nothing runs behind your back. Beyond Lasagne's rule
-set, the library accumulates gradients over mini-batches (train with an
-effective batch of N*B when only B fits in memory) in a two-function form
-(:func:`accumulate_gradients`) and a single-function form (``average=N`` on
-every rule, :func:`with_accumulated_gradients`).
+``pytensor.function``; importing the package changes nothing in PyTensor.
+Beyond Lasagne's rule set, the library accumulates gradients over
+mini-batches (train with an effective batch of N*B when only B fits in
+memory) in a two-function form (:func:`accumulate_gradients`) and a
+single-function form (``average=N`` on every rule,
+:func:`with_accumulated_gradients`). Its in-place fast paths and backend
+fixes are included by name, in the functions you compile with
+``mode=lasagne_accum.mode()``.
 """
 
 __version__ = "0.2.0"
 
-from . import backends as _backends
-from . import updates
-from . import schedules
+from . import schedules, updates
 from .accumulate import Accumulation, accumulate_gradients, reset
-from .averaged import SteppingUpdates, with_accumulated_gradients
-from .averaging import ExponentialMovingAverage, ModelAverage
-from .state import collect_state, load_state, save_state
+from .checkpoint import collect_state, load_state, save_state
+from .merge import merge_updates
+from .model_average import ExponentialMovingAverage, ModelAverage
+from .modes import default_modes, mode
+from .single_function import SteppingUpdates, with_accumulated_gradients
 from .training import AccumulationTrainer, compile_accumulation, run_epoch
 from .updates import *  # noqa: F403  the rules and Lasagne's helpers: updates.__all__
 
@@ -31,6 +34,9 @@ __all__ += [
     "SteppingUpdates",
     "ModelAverage",
     "ExponentialMovingAverage",
+    "mode",
+    "default_modes",
+    "merge_updates",
     "compile_accumulation",
     "AccumulationTrainer",
     "run_epoch",
@@ -38,5 +44,3 @@ __all__ += [
     "load_state",
     "collect_state",
 ]
-
-_backends.install()

@@ -17,7 +17,7 @@ concatenated batch. An apply on an empty window changes nothing: the rules of
 this library guard their updates when given ``accu.grads``.
 
 Both accumulation forms (this one and the single-function form of
-:mod:`lasagne_accum.averaged`) build their buffers, counters, weighting,
+:mod:`lasagne_accum.single_function`) build their buffers, counters, weighting,
 non-finite check, mean and clipping with one private core,
 :class:`_GradientBuffer`.
 """
@@ -25,22 +25,17 @@ non-finite check, mean and clipping with one private core,
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import numpy as np
 import pytensor.tensor as pt
 from pytensor.compile.sharedvalue import SharedVariable
 
+from ._checks import check_params, param_label
+from ._graph import accumulator_dtype, get_or_compute_grads, hyperparameter, scalar_state, \
+    state_like
 from .constraints import total_norm_constraint
-from .grads import (
-    accumulator_dtype,
-    check_params,
-    get_or_compute_grads,
-    hyperparameter,
-    param_label,
-    scalar_state,
-    state_like,
-)
 
 if TYPE_CHECKING:
     from pytensor.tensor.variable import TensorVariable
@@ -49,8 +44,7 @@ if TYPE_CHECKING:
 
 _ZERO_INT = np.int64(0)
 
-__all__ = ["accumulate_gradients", "reset", "Accumulation", "AccumulateUpdates",
-           "AccumulatedGrads"]
+__all__ = ["accumulate_gradients", "reset", "Accumulation", "AccumulateUpdates"]
 
 
 def reset(variables: SharedVariable | Iterable[SharedVariable]) -> Updates:
@@ -192,18 +186,6 @@ class _GradientBuffer:
         return grads, norm
 
 
-class AccumulatedGrads(list):
-    """The list of accumulated gradients (``accu.grads``), tied to its accumulation.
-
-    A plain list of symbolic gradients; the rules of :mod:`lasagne_accum.updates`
-    recognise it by its ``accumulation`` attribute and guard their updates
-    (:meth:`Accumulation.guard`), so that an apply on an empty window changes
-    nothing.
-    """
-
-    accumulation: Accumulation | None = None
-
-
 class AccumulateUpdates(OrderedDict):
     """The accumulate update dictionary; also carries the accumulation's results.
 
@@ -220,10 +202,10 @@ class AccumulateUpdates(OrderedDict):
         As on :class:`Accumulation`.
     """
 
-    accumulation: Accumulation = None  # type: ignore[assignment]  # set by Accumulation()
+    accumulation: Accumulation = None  # type: ignore[assignment]  # set by accumulate_gradients
 
     @property
-    def grads(self) -> AccumulatedGrads:
+    def grads(self) -> list[TensorVariable]:
         return self.accumulation.grads
 
     @property
@@ -239,11 +221,13 @@ class AccumulateUpdates(OrderedDict):
         return self.accumulation.guard(updates)
 
 
-class Accumulation(tuple):
-    """The result of :func:`accumulate_gradients`: ``(accumulate, reset)``.
+@dataclass(frozen=True, eq=False)
+class Accumulation:
+    """The result of :func:`accumulate_gradients`: unpacks as ``(accumulate, reset)``.
 
-    Unpacks as a 2-tuple of OrderedDicts, as in Lasagne's design discussion,
-    and carries what the apply function needs.
+    Unpacks (and indexes) as a pair of OrderedDicts, as in Lasagne's design
+    discussion, and carries what the apply function needs. Frozen: its
+    attributes cannot be reassigned.
 
     Attributes
     ----------
@@ -257,7 +241,9 @@ class Accumulation(tuple):
         Symbolic accumulated gradients, one per parameter, in the parameter's
         dtype: the weighted mean ``sum_k w_k g_k / sum_k w_k`` when
         ``average=True`` (with ``w_k = 1`` when no weight was given), else the
-        weighted sum. Clipped to `max_norm` when given.
+        weighted sum. Clipped to `max_norm` when given. Each carries
+        ``tag.accumulation`` (this object), by which the rules recognise them,
+        in this list or a copy of it, and guard their updates.
     norm : TensorVariable or None
         The total L2 norm of the accumulated gradients before clipping, when
         `max_norm` was given.
@@ -272,42 +258,36 @@ class Accumulation(tuple):
     accumulators : list of shared variables
         One buffer per parameter (``W.grad_accu``), float32 at least.
     params : list of shared variables
+    is_step : symbolic boolean scalar
+        The step signal of the apply function: ``count > 0``. Pass it as
+        ``is_step=`` to :class:`lasagne_accum.ModelAverage` when its updates
+        go into the apply function of a hand-written rule; the library's
+        rules tag their guarded updates with it already.
     """
 
-    # set by __new__ from accumulate_gradients()
-    grads: AccumulatedGrads
+    accumulate: AccumulateUpdates
+    reset: Updates
+    grads: list[TensorVariable]
     norm: TensorVariable | None
-    count: SharedVariable  # type: ignore[assignment, unused-ignore]  # shadows tuple.count
+    count: SharedVariable
     total: SharedVariable
     skipped: SharedVariable | None
     accumulators: list[SharedVariable]
     params: list[SharedVariable]
+    is_step: TensorVariable
 
-    def __new__(cls, accumulate, reset_updates, **attrs):
-        self = super().__new__(cls, (accumulate, reset_updates))
-        self.__dict__.update(attrs)
-        accumulate.accumulation = self
-        return self
+    def __iter__(self) -> Iterator[OrderedDict]:
+        return iter((self.accumulate, self.reset))
 
-    @property
-    def accumulate(self) -> AccumulateUpdates:
-        return self[0]
+    def __len__(self) -> int:
+        return 2
 
-    @property
-    def reset(self) -> Updates:
-        return self[1]
+    def __getitem__(self, index: int) -> OrderedDict:
+        return (self.accumulate, self.reset)[index]
 
-    @property
-    def is_step(self) -> TensorVariable:
-        """The step signal of the apply function: ``count > 0`` (symbolic).
-
-        Pass it as ``is_step=`` to :class:`lasagne_accum.ModelAverage` when its
-        updates go into the apply function of a hand-written rule; the
-        library's rules tag their guarded updates with it already.
-        """
-        if self.__dict__.get("_is_step") is None:
-            self.__dict__["_is_step"] = pt.gt(self.count, 0)
-        return self.__dict__["_is_step"]
+    def __repr__(self) -> str:
+        return (f"Accumulation(params={[p.name for p in self.params]}, "
+                f"count={self.count.name!r})")
 
     def guard(self, updates: UpdatesLike) -> Updates:
         """Make `updates` a no-op when nothing has been accumulated.
@@ -398,10 +378,10 @@ def accumulate_gradients(
     Returns
     -------
     Accumulation
-        A 2-tuple ``(accumulate, reset)`` of OrderedDicts carrying ``.grads``,
-        ``.count``, ``.total``, ``.skipped``, ``.norm``, ``.accumulators``,
-        ``.is_step`` and ``.guard()``; the first dictionary also carries ``.grads`` and
-        ``.count``.
+        Unpacks as ``(accumulate, reset)``, two OrderedDicts, and carries
+        ``.grads``, ``.count``, ``.total``, ``.skipped``, ``.norm``,
+        ``.accumulators``, ``.is_step`` and ``.guard()``; the first dictionary
+        also carries ``.grads`` and ``.count``.
 
     Raises
     ------
@@ -472,12 +452,12 @@ def accumulate_gradients(
         for acc in core.accumulators
     )
     reset_updates.update(reset([count] + ([total] if total is not None else [])))
-    grads = AccumulatedGrads(out_grads)
     result = Accumulation(
-        accumulate, reset_updates,
-        grads=grads, norm=norm, count=count, total=total if total is not None else count,
-        skipped=core.skipped, accumulators=core.accumulators, params=core.params,
+        accumulate=accumulate, reset=reset_updates, grads=out_grads, norm=norm, count=count,
+        total=total if total is not None else count, skipped=core.skipped,
+        accumulators=core.accumulators, params=core.params, is_step=nonempty,
     )
-    result.__dict__["_is_step"] = nonempty
-    grads.accumulation = result
+    for g in out_grads:
+        g.tag.accumulation = result
+    accumulate.accumulation = result
     return result

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import pytensor.tensor as pt
 
-from .grads import hyperparameter
+from ._graph import hyperparameter
 
 if TYPE_CHECKING:
     from pytensor.graph.basic import Variable

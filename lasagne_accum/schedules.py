@@ -34,13 +34,19 @@ Deliberate differences from optax:
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import TYPE_CHECKING, Any, Callable, Mapping, overload
 
 import numpy as np
 import pytensor.tensor as pt
 from pytensor.graph.basic import Variable
+
+from ._checks import check_number
+
+
+def _steps(value: Any, name: str, **bounds: Any) -> int:
+    """A number of steps (or examples): an integer, or a float with an integral value."""
+    return check_number(value, name, integer=True, integral_float=True, **bounds)
 
 if TYPE_CHECKING:
     from pytensor.tensor.variable import TensorVariable
@@ -71,28 +77,6 @@ class _Ops:
 
 _NUMPY_OPS = _Ops(np, np.where, lambda step: np.asarray(step, dtype="float64"))
 _SYMBOLIC_OPS = _Ops(pt, pt.switch, lambda step: pt.cast(step, "float64"))
-
-
-def _number(value, name, *, low=None, low_open=False, integer=False):
-    """`value` as a Python float (or int), or a ValueError/TypeError naming `name`."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.number)):
-        kind = "an integer" if integer else "a number"
-        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}")
-    if integer:
-        if isinstance(value, (numbers.Integral, np.integer)):
-            value = int(value)
-        elif float(value).is_integer():
-            value = int(value)
-        else:
-            raise TypeError(f"{name} must be an integer (a number of steps), got {value!r}")
-    else:
-        value = float(value)
-        if not math.isfinite(value):
-            raise ValueError(f"{name} must be finite, got {value}")
-    if low is not None and (value < low or (low_open and value == low)):
-        bound = ">" if low_open else ">="
-        raise ValueError(f"{name} must be {bound} {low}, got {value}")
-    return value
 
 
 class Schedule:
@@ -161,7 +145,7 @@ class constant(Schedule):
     """
 
     def __init__(self, value: float) -> None:
-        self.value = _number(value, "value")
+        self.value = check_number(value, "value")
 
     def _value(self, step, ops):
         return self.value
@@ -206,11 +190,11 @@ class linear_warmup(Schedule):
         warmup_steps: int,
         transition_begin: int = 0,
     ) -> None:
-        self.init_value = _number(init_value, "init_value")
-        self.peak_value = _number(peak_value, "peak_value")
-        self.warmup_steps = _number(warmup_steps, "warmup_steps", integer=True)
+        self.init_value = check_number(init_value, "init_value")
+        self.peak_value = check_number(peak_value, "peak_value")
+        self.warmup_steps = _steps(warmup_steps, "warmup_steps")
         self.transition_begin = max(
-            _number(transition_begin, "transition_begin", integer=True), 0)
+            _steps(transition_begin, "transition_begin"), 0)
 
     def _value(self, step, ops):
         if self.warmup_steps <= 0:
@@ -260,11 +244,11 @@ class cosine_decay(Schedule):
         alpha: float = 0.0,
         exponent: float = 1.0,
     ) -> None:
-        self.init_value = _number(init_value, "init_value")
-        self.decay_steps = _number(decay_steps, "decay_steps", integer=True, low=0,
+        self.init_value = check_number(init_value, "init_value")
+        self.decay_steps = _steps(decay_steps, "decay_steps", low=0,
                                    low_open=True)
-        self.alpha = _number(alpha, "alpha")
-        self.exponent = _number(exponent, "exponent")
+        self.alpha = check_number(alpha, "alpha")
+        self.exponent = check_number(exponent, "exponent")
 
     def _value(self, step, ops):
         count = ops.minimum(step, float(self.decay_steps))
@@ -322,12 +306,12 @@ class warmup_cosine_decay(Schedule):
         end_value: float = 0.0,
         exponent: float = 1.0,
     ) -> None:
-        self.init_value = _number(init_value, "init_value")
-        self.peak_value = _number(peak_value, "peak_value")
-        self.warmup_steps = _number(warmup_steps, "warmup_steps", integer=True, low=0)
-        self.decay_steps = _number(decay_steps, "decay_steps", integer=True)
-        self.end_value = _number(end_value, "end_value")
-        self.exponent = _number(exponent, "exponent")
+        self.init_value = check_number(init_value, "init_value")
+        self.peak_value = check_number(peak_value, "peak_value")
+        self.warmup_steps = _steps(warmup_steps, "warmup_steps", low=0)
+        self.decay_steps = _steps(decay_steps, "decay_steps")
+        self.end_value = check_number(end_value, "end_value")
+        self.exponent = check_number(exponent, "exponent")
         if self.decay_steps <= self.warmup_steps:
             raise ValueError(
                 f"warmup_steps ({self.warmup_steps}) must be smaller than decay_steps "
@@ -376,7 +360,7 @@ class piecewise_constant(Schedule):
         init_value: float,
         boundaries_and_scales: Mapping[int, float] | None = None,
     ) -> None:
-        self.init_value = _number(init_value, "init_value")
+        self.init_value = check_number(init_value, "init_value")
         if boundaries_and_scales is None:
             boundaries_and_scales = {}
         if not hasattr(boundaries_and_scales, "items"):
@@ -386,8 +370,8 @@ class piecewise_constant(Schedule):
             )
         checked = {}
         for boundary, scale in boundaries_and_scales.items():
-            boundary = _number(boundary, "a boundary of boundaries_and_scales", integer=True)
-            checked[boundary] = _number(scale, f"boundaries_and_scales[{boundary}]", low=0)
+            boundary = _steps(boundary, "a boundary of boundaries_and_scales")
+            checked[boundary] = check_number(scale, f"boundaries_and_scales[{boundary}]", low=0)
         self.boundaries_and_scales = dict(sorted(checked.items()))
 
     def _value(self, step, ops):
@@ -445,13 +429,13 @@ class exponential_decay(Schedule):
         staircase: bool = False,
         end_value: float | None = None,
     ) -> None:
-        self.init_value = _number(init_value, "init_value")
-        self.transition_steps = _number(transition_steps, "transition_steps", integer=True)
-        self.decay_rate = _number(decay_rate, "decay_rate")
+        self.init_value = check_number(init_value, "init_value")
+        self.transition_steps = _steps(transition_steps, "transition_steps")
+        self.decay_rate = check_number(decay_rate, "decay_rate")
         self.transition_begin = max(
-            _number(transition_begin, "transition_begin", integer=True), 0)
+            _steps(transition_begin, "transition_begin"), 0)
         self.staircase = bool(staircase)
-        self.end_value = None if end_value is None else _number(end_value, "end_value")
+        self.end_value = None if end_value is None else check_number(end_value, "end_value")
 
     def _value(self, step, ops):
         if self.transition_steps <= 0 or self.decay_rate == 0:
@@ -532,9 +516,9 @@ def linear_scaling(
     >>> warm(0), warm(5)
     (0.0, 1.6)
     """
-    base_batch_size = _number(base_batch_size, "base_batch_size", integer=True, low=1)
-    batch_size = _number(batch_size, "batch_size", integer=True, low=1)
+    base_batch_size = _steps(base_batch_size, "base_batch_size", low=1)
+    batch_size = _steps(batch_size, "batch_size", low=1)
     if callable(base_lr):
         return _Scaled(base_lr, batch_size / base_batch_size)
-    rate = _number(base_lr, "base_lr", low=0)
+    rate = check_number(base_lr, "base_lr", low=0)
     return rate * batch_size / base_batch_size

@@ -16,21 +16,20 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 import pytensor
 
+from ._checks import check_int, check_rule_updates
 from .accumulate import accumulate_gradients
-from .backends import blas_available, default_modes
-from .compiling import use_parallel_compile, use_precompiled_headers
-from .grads import check_every, check_rule_updates
+from .merge import merge_updates
+from .modes import default_modes, mode as la_mode
 from .progress import Progress
 
 if TYPE_CHECKING:
     from pytensor.graph.basic import Variable
 
     from .accumulate import Accumulation
+    from .model_average import ExponentialMovingAverage, ModelAverage
     from ._typing import Params, PathLike, Scalar, UpdateRule, UpdatesLike
 
-__all__ = ["compile_accumulation", "AccumulationTrainer", "run_epoch", "Progress",
-           "default_modes", "blas_available", "use_precompiled_headers",
-           "use_parallel_compile"]
+__all__ = ["compile_accumulation", "AccumulationTrainer", "run_epoch"]
 
 
 class AccumulationTrainer:
@@ -54,6 +53,12 @@ class AccumulationTrainer:
     apply_updates : OrderedDict
         The apply function's update dictionary (rule state included), for
         :func:`lasagne_accum.save_state`.
+    model_average, ema : ModelAverage, ExponentialMovingAverage or None
+        The averages built by ``compile_accumulation(model_average=...,
+        ema=...)``: ``with trainer.model_average.apply(): evaluate()``.
+    compile_seconds : float
+        Seconds :func:`compile_accumulation` took, the warm-up calls included
+        when it was given an `example` batch.
     """
 
     def __init__(
@@ -63,6 +68,9 @@ class AccumulationTrainer:
         accumulation: Accumulation,
         every: int,
         apply_updates: UpdatesLike | None = None,
+        *,
+        model_average: ModelAverage | None = None,
+        ema: ExponentialMovingAverage | None = None,
     ) -> None:
         self.accumulate_fn = accumulate_fn
         self.apply_updates = apply_updates if apply_updates is not None else {}
@@ -70,6 +78,9 @@ class AccumulationTrainer:
         self.accumulation = accumulation
         self.every = every
         self.steps = 0
+        self.model_average = model_average
+        self.ema = ema
+        self.compile_seconds = 0.0
         self._pending: int | None = None  # batches in the window; read from the counter when None
 
     @property
@@ -109,23 +120,71 @@ class AccumulationTrainer:
         self._apply()
         return True
 
-    def save(self, path: PathLike, *more: Any) -> list[str]:
-        """Checkpoint everything the two functions update (and `more`).
+    def save(self, path: PathLike, *more: Any, metadata: Mapping[str, Any] | None = None
+             ) -> list[str]:
+        """Checkpoint everything the two functions update (and `more`), and :attr:`steps`.
 
-        See :func:`lasagne_accum.save_state`; a mid-window checkpoint resumes
-        the window where it stopped.
+        See :func:`lasagne_accum.save_state`: `metadata` is your loop state
+        (epoch, position, the data RNG's state), returned by :meth:`load`. A
+        mid-window checkpoint resumes the window where it stopped; the model
+        average and EMA are saved with the rest.
+
+        Raises
+        ------
+        RuntimeError
+            If an average is applied (the parameters hold the averages): call
+            its ``restore()`` first, or the averages would be saved as the
+            trained values.
         """
-        from .state import save_state
+        from .checkpoint import write_state
 
-        return save_state(path, self, *more)
+        for average in (self.model_average, self.ema):
+            if average is not None and average.applied:
+                raise RuntimeError(f"save(): {average.name} is applied, so the parameters "
+                                   "hold its averages; restore() it before saving")
+        return write_state(path, [self, *more], metadata,
+                           library={"trainer": {"steps": self.steps}})
 
-    def load(self, path: PathLike, *more: Any) -> list[str]:
-        """Load a checkpoint written by :meth:`save` and resume its window."""
-        from .state import load_state
+    def load(self, path: PathLike, *more: Any) -> dict[str, Any]:
+        """Load a checkpoint written by :meth:`save`, resume its window and :attr:`steps`.
 
-        names = load_state(path, self, *more)
+        Returns
+        -------
+        dict
+            The `metadata` given to :meth:`save` (``{}`` if none).
+        """
+        from .checkpoint import read_state
+
+        metadata, library, _ = read_state(path, [self, *more])
         self._pending = None
-        return names
+        steps = library.get("trainer", {}).get("steps")
+        if steps is not None:
+            self.steps = int(steps)
+        return metadata
+
+    def warm_up(self, *batch: Any) -> float:
+        """Call both functions once on `batch` and put every value back; return the seconds.
+
+        JIT backends (Numba, JAX, PyTorch) compile a function on its first
+        call: warming up moves that time to where you count compiling, and
+        leaves the model, the rule's state and the window as they were.
+        """
+        import time
+
+        from .checkpoint import collect_state
+        from ._graph import as_host_array
+
+        state = collect_state(self)
+        saved = {n: np.array(as_host_array(v.get_value(borrow=True)), copy=True)
+                 for n, v in state.items()}
+        start = time.perf_counter()
+        try:
+            self.accumulate_fn(*batch)
+            self.apply_fn()
+        finally:
+            for n, v in state.items():
+                v.set_value(saved[n])
+        return time.perf_counter() - start
 
     def _apply(self):
         self.apply_fn()
@@ -146,9 +205,12 @@ def compile_accumulation(
     max_norm: Scalar | None = None,
     skip_nonfinite: bool = False,
     outputs: Sequence[Variable] | None = None,
-    extra_apply_updates: UpdatesLike | None = None,
+    extra_apply_updates: UpdatesLike | Callable[[UpdatesLike], UpdatesLike] | None = None,
+    model_average: Mapping[str, Any] | None = None,
+    ema: Mapping[str, Any] | None = None,
     mode: Any = None,
     apply_mode: Any = None,
+    example: Sequence[Any] | None = None,
     name: str = "accumulate",
 ) -> AccumulationTrainer:
     """Compile the accumulate and apply functions of the two-function form.
@@ -179,11 +241,22 @@ def compile_accumulation(
     extra_apply_updates : dict or callable, optional
         More updates for the apply function, so that they run once per
         optimizer step. A callable receives the rule's update dictionary and
-        returns the extra updates: ``lambda apply: ModelAverage(params, 0.15,
-        updates=apply).updates`` averages the values after each step.
+        returns the extra updates.
+    model_average, ema : dict, optional
+        Keyword arguments of :class:`~lasagne_accum.ModelAverage` and
+        :class:`~lasagne_accum.ExponentialMovingAverage` (``params``,
+        ``updates`` and ``is_step`` aside): the average of the parameters'
+        values after each optimizer step, kept by the apply function and
+        reachable as ``trainer.model_average`` / ``trainer.ema``.
     mode, apply_mode : str or Mode, optional
-        Compilation modes of the two functions; by default
-        :func:`default_modes`. Give `mode` alone to use it for both.
+        Base compilation modes of the two functions (by default
+        :func:`~lasagne_accum.default_modes`), compiled through
+        :func:`lasagne_accum.mode`. Give `mode` alone to use it for both.
+    example : tuple, optional
+        One batch of inputs: both functions are called on it once and every
+        value put back (:meth:`AccumulationTrainer.warm_up`), so that JIT
+        backends, which compile on the first call, have compiled when this
+        returns; ``trainer.compile_seconds`` counts it.
     name : str
         Prefix of the accumulation's counters and (when not the default)
         buffers, as in :func:`lasagne_accum.accumulate_gradients`.
@@ -196,7 +269,9 @@ def compile_accumulation(
     ------
     TypeError, ValueError
         On bad `every`, `update_rule` or inputs (see
-        :func:`accumulate_gradients`).
+        :func:`accumulate_gradients`), `model_average` or `ema` that are not
+        dicts of their class's keywords, or an extra update of a variable the
+        rule updates too.
 
     Examples
     --------
@@ -214,33 +289,58 @@ def compile_accumulation(
     >>> trainer.flush()      # nothing pending: no step
     False
     """
-    every = check_every(every, "every")
+    import time
+
+    from .model_average import ExponentialMovingAverage, ModelAverage
+
+    start = time.perf_counter()
+    every = check_int(every, "every")
     if not callable(update_rule):
         raise TypeError(f"update_rule must be callable, got {type(update_rule).__name__}")
+    for label, kwargs in (("model_average", model_average), ("ema", ema)):
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise TypeError(f"{label} must be a dict of keyword arguments, got "
+                            f"{type(kwargs).__name__}")
+        taken = {"params", "updates", "is_step"} & set(kwargs or {})
+        if taken:
+            raise TypeError(f"{label}: {', '.join(sorted(taken))} are set by "
+                            "compile_accumulation (the parameters, the rule's updates and "
+                            "the optimizer step); leave them out")
     acc = accumulate_gradients(loss, params, average=average, weight=weight,
                                max_norm=max_norm, skip_nonfinite=skip_nonfinite, name=name)
-    apply = check_rule_updates(update_rule, acc.grads, acc.params, dict(rule_kwargs or {}))
+    rule = check_rule_updates(update_rule, acc.grads, acc.params, dict(rule_kwargs or {}))
     if callable(extra_apply_updates):
-        # e.g. lambda apply: ModelAverage(params, ..., updates=apply).updates, so that
-        # the average takes the parameters' values after the step
-        extra_apply_updates = extra_apply_updates(OrderedDict(apply))
+        # the extras see the rule's new values (an average of the stepped parameters)
+        extra_apply_updates = extra_apply_updates(OrderedDict(rule))
     if extra_apply_updates:
-        for var, new in extra_apply_updates.items():
-            if var in apply:
-                raise ValueError(f"extra_apply_updates updates {var}, which the rule updates too")
-            apply[var] = new
-    apply = acc.guard(apply)
-    apply.update(acc.reset)
+        clash = [getattr(v, "name", None) or repr(v) for v in extra_apply_updates if v in rule]
+        if clash:
+            raise ValueError(f"extra_apply_updates updates {', '.join(clash)}, which the rule "
+                             "updates too")
+    stepped = acc.guard(merge_updates(rule, extra_apply_updates))
+    averages: dict[str, Any] = {}
+    if model_average is not None:
+        averages["model_average"] = ModelAverage(acc.params, updates=stepped,
+                                                 is_step=acc.is_step, **model_average)
+    if ema is not None:
+        averages["ema"] = ExponentialMovingAverage(acc.params, updates=stepped,
+                                                   is_step=acc.is_step, **ema)
+    apply = merge_updates(stepped, *(a.updates for a in averages.values()), acc.reset)
 
     default_acc, default_apply = default_modes()
     if mode is not None and apply_mode is None:
         apply_mode = mode
     accumulate_fn = pytensor.function(
         list(inputs), loss if outputs is None else list(outputs), updates=acc.accumulate,
-        mode=mode or default_acc,
+        mode=la_mode(mode or default_acc),
     )
-    apply_fn = pytensor.function([], [], updates=apply, mode=apply_mode or default_apply)
-    return AccumulationTrainer(accumulate_fn, apply_fn, acc, every, apply_updates=apply)
+    apply_fn = pytensor.function([], [], updates=apply, mode=la_mode(apply_mode or default_apply))
+    trainer = AccumulationTrainer(accumulate_fn, apply_fn, acc, every, apply_updates=apply,
+                                  **averages)
+    if example is not None:
+        trainer.warm_up(*example)
+    trainer.compile_seconds = time.perf_counter() - start
+    return trainer
 
 
 def run_epoch(

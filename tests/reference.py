@@ -1,14 +1,18 @@
 """Shared test reference: one model, its batches, numpy gradients and rules, one comparison.
 
-Used by the accumulation, single-function, update-rule and README tests, so the
-independent references live in one place:
+Used by the accumulation, single-function, update-rule, reference and README
+tests, so the independent references live in one place:
 
 * :class:`Model`: ``tanh(X W + b)`` regressed on ``Y``; the loss is the MEAN
   over the examples of the batch of the squared error, so N batches
   accumulated with ``weight=batch_size`` equal one large batch;
 * :func:`np_grads`: its gradient derived by hand in float64 numpy;
-* :func:`reference_step`: one step of every rule of Lasagne's set in float64
-  numpy, written from the formulas, not from the library;
+* :func:`reference_step`: one step of every rule in float64 numpy (Lasagne's
+  set, the ``apply_*`` wrappers, and adamw, lars, lamb with optax's
+  definitions; a schedule as learning rate), written from the formulas, not
+  from the library;
+* ``schedule_*``: every learning-rate schedule of :mod:`lasagne_accum.schedules`
+  from its published definition (optax's argument meanings), in float64;
 * :func:`assert_close`: the one comparison helper (arrays, shared variables,
   or dictionaries of either by name).
 """
@@ -223,91 +227,350 @@ def assert_close(actual, expected, dtype="float64", what="", exact=False):
     np.testing.assert_allclose(a.astype(np.float64), e, rtol=rtol, atol=atol, err_msg=what)
 
 
+LARGE_BATCH = ("adamw", "lars", "lamb")
+#: Rules with an int64 step counter ``<prefix>.t``.
+_COUNTED = ADAM_FAMILY + ("adamw", "lamb")
+#: Each rule's hyperparameter defaults, typed here from Lasagne's and optax's
+#: signatures (None: the rule has no default and the caller must pass one).
+DEFAULTS = {
+    "sgd": dict(learning_rate=None),
+    "momentum": dict(learning_rate=None, momentum=0.9),
+    "nesterov_momentum": dict(learning_rate=None, momentum=0.9),
+    "apply_momentum": dict(learning_rate=None, momentum=0.9),
+    "apply_nesterov_momentum": dict(learning_rate=None, momentum=0.9),
+    "adagrad": dict(learning_rate=1.0, epsilon=1e-6),
+    "rmsprop": dict(learning_rate=1.0, rho=0.9, epsilon=1e-6),
+    "adadelta": dict(learning_rate=1.0, rho=0.95, epsilon=1e-6),
+    "adam": dict(learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8),
+    "adamax": dict(learning_rate=0.002, beta1=0.9, beta2=0.999, epsilon=1e-8),
+    "amsgrad": dict(learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8),
+    # optax.adamw, optax.lars, optax.lamb
+    "adamw": dict(learning_rate=1e-3, beta1=0.9, beta2=0.999, epsilon=1e-8,
+                  weight_decay=1e-4),
+    "lars": dict(learning_rate=None, momentum=0.9, weight_decay=0.0, trust_coefficient=1e-3,
+                 eps=0.0, nesterov=False),
+    "lamb": dict(learning_rate=1e-3, beta1=0.9, beta2=0.999, epsilon=1e-6, weight_decay=0.0),
+}
+
+
+def _state_prefix(rule, name):
+    """The infix of a rule's per-parameter state names: ``W.<prefix>_m``."""
+    if name is not None:
+        return name
+    return "momentum" if "momentum" in rule else rule
+
+
+def _norm(x):
+    return float(np.sqrt(np.sum(np.square(x))))
+
+
+def trust_ratio(param, update, coefficient=1.0, eps=0.0):
+    """``coefficient * ||param|| / (||update|| + eps)``; 1 where either norm is 0.
+
+    The layer-wise ratio of LARS (You, Gitman & Ginsburg 2017, eq. 6) and of
+    LAMB (You et al. 2020, Algorithm 2), with optax's guard: a zero norm
+    leaves the update unscaled.
+    """
+    p_norm, u_norm = _norm(param), _norm(update)
+    if p_norm == 0.0 or u_norm == 0.0:
+        return 1.0
+    return coefficient * p_norm / (u_norm + eps)
+
+
 def reference_step(rule, params, grads, state, hyper_dtype="float64", defaults=None,
-                   **hyper):
+                   name=None, exclude=(), base=None, **hyper):
     """One step of `rule` in float64 numpy, in place on `params` and `state`.
 
     `params`/`grads` map parameter names to arrays; `state` maps the state
     names ('W.adam_m', 'adam.t', ...) to arrays, created as zeros on first use.
-    Hyperparameters default to Lasagne's values, typed here independently
-    (`defaults` overrides them: the rules without a default learning rate
-    need one), and are first rounded to `hyper_dtype`: a float32 model holds
-    beta2=0.999 as 0.99899995..., so 1 - beta2 differs from 1e-3 by 5e-5
-    relative, more than float32 arithmetic alone explains.
-    """
-    defaults = dict(defaults or {})
+    Hyperparameters default to the rule's own defaults, typed here
+    independently in :data:`DEFAULTS` (`defaults` overrides them: the rules
+    without a default learning rate need one), and are first rounded to
+    `hyper_dtype`: a float32 model holds beta2=0.999 as 0.99899995..., so
+    1 - beta2 differs from 1e-3 by 5e-5 relative, more than float32
+    arithmetic alone explains.
 
-    def hp(key, default):
-        return float(np.dtype(hyper_dtype).type(hyper.get(key, defaults.get(key, default))))
+    Parameters
+    ----------
+    rule : str
+        A rule of Lasagne's set, ``apply_momentum`` or
+        ``apply_nesterov_momentum`` (on an SGD step unless `base` is given),
+        or one of :data:`LARGE_BATCH` (optax's definitions, see
+        :func:`_large_batch_update`).
+    name : str, optional
+        The rule's ``name=``: replaces the rule's name in the state names
+        (``W.<name>_m``, ``<name>.t``, ``<name>.schedule_step``).
+    exclude : collection of str
+        Names of the parameters that :data:`LARGE_BATCH` rules leave out of
+        weight decay and trust ratio.
+    base : dict, optional
+        For the ``apply_*`` wrappers: the wrapped dictionary's new value of
+        each parameter (default: the SGD step ``param - learning_rate * grad``).
+    **hyper
+        The rule's hyperparameters. `learning_rate` may be a schedule (a
+        callable of the step): it is evaluated on the counter
+        ``<name or rule>.schedule_step`` (from 0), which advances by one per
+        call, once for all parameters.
+    """
+    defaults = dict(DEFAULTS.get(rule, {}), **(defaults or {}))
+    prefix = _state_prefix(rule, name)
+    lr_value = hyper.get("learning_rate", defaults.get("learning_rate"))
+    if callable(lr_value):
+        key = f"{name or rule}.schedule_step"
+        step = int(state.get(key, 0))
+        hyper = dict(hyper, learning_rate=float(lr_value(step)))
+        state[key] = np.int64(step + 1)
+
+    def hp(key, default=None):
+        value = hyper.get(key, defaults.get(key, default))
+        if value is None:
+            raise TypeError(f"reference_step({rule!r}): no value for {key}")
+        return float(np.dtype(hyper_dtype).type(value))
 
     def st(key, like):
         if key not in state:
             state[key] = np.zeros_like(like, dtype=np.float64)
         return state[key]
 
-    if rule in ADAM_FAMILY:
-        t = float(state.get(f"{rule}.t", 0.0)) + 1.0
-        state[f"{rule}.t"] = np.float64(t)
+    if rule in _COUNTED:
+        t = float(state.get(f"{prefix}.t", 0.0)) + 1.0
+        state[f"{prefix}.t"] = np.float64(t)
 
     for n in list(params):
         p = np.asarray(params[n], dtype=np.float64)
         g = np.asarray(grads[n], dtype=np.float64)
-        if rule == "sgd":
-            lr = hp("learning_rate", None)
+        if rule in LARGE_BATCH:
+            new_p = _large_batch_update(rule, n, p, g, st, state, prefix, hp,
+                                        t if rule in _COUNTED else None, n in exclude,
+                                        bool(hyper.get("nesterov", defaults["nesterov"]))
+                                        if rule == "lars" else False)
+        elif rule == "sgd":
+            lr = hp("learning_rate")
             new_p = p - lr * g
         elif rule in ("momentum", "apply_momentum"):
-            lr = hp("learning_rate", None)
-            mom = hp("momentum", 0.9)
-            v = st(f"{n}.momentum_velocity", p)
-            x = mom * v + (p - lr * g)
-            state[f"{n}.momentum_velocity"] = x - p
+            mom = hp("momentum")
+            stepped = (p - hp("learning_rate") * g if base is None
+                       else np.asarray(base[n], dtype=np.float64))
+            v = st(f"{n}.{prefix}_velocity", p)
+            x = mom * v + stepped
+            state[f"{n}.{prefix}_velocity"] = x - p
             new_p = x
         elif rule in ("nesterov_momentum", "apply_nesterov_momentum"):
-            lr = hp("learning_rate", None)
-            mom = hp("momentum", 0.9)
-            v = st(f"{n}.momentum_velocity", p)
-            x = mom * v + (p - lr * g) - p
-            state[f"{n}.momentum_velocity"] = x
-            new_p = mom * x + (p - lr * g)
+            mom = hp("momentum")
+            stepped = (p - hp("learning_rate") * g if base is None
+                       else np.asarray(base[n], dtype=np.float64))
+            v = st(f"{n}.{prefix}_velocity", p)
+            x = mom * v + stepped - p
+            state[f"{n}.{prefix}_velocity"] = x
+            new_p = mom * x + stepped
         elif rule == "adagrad":
-            lr, eps = hp("learning_rate", 1.0), hp("epsilon", 1e-6)
-            a = st(f"{n}.adagrad_accu", p) + g ** 2
-            state[f"{n}.adagrad_accu"] = a
+            lr, eps = hp("learning_rate"), hp("epsilon")
+            a = st(f"{n}.{prefix}_accu", p) + g ** 2
+            state[f"{n}.{prefix}_accu"] = a
             new_p = p - lr * g / np.sqrt(a + eps)
         elif rule == "rmsprop":
-            lr, rho, eps = (hp("learning_rate", 1.0), hp("rho", 0.9),
-                            hp("epsilon", 1e-6))
-            a = rho * st(f"{n}.rmsprop_accu", p) + (1 - rho) * g ** 2
-            state[f"{n}.rmsprop_accu"] = a
+            lr, rho, eps = hp("learning_rate"), hp("rho"), hp("epsilon")
+            a = rho * st(f"{n}.{prefix}_accu", p) + (1 - rho) * g ** 2
+            state[f"{n}.{prefix}_accu"] = a
             new_p = p - lr * g / np.sqrt(a + eps)
         elif rule == "adadelta":
-            lr, rho, eps = (hp("learning_rate", 1.0), hp("rho", 0.95),
-                            hp("epsilon", 1e-6))
-            a = rho * st(f"{n}.adadelta_accu", p) + (1 - rho) * g ** 2
-            d = st(f"{n}.adadelta_delta_accu", p)
+            lr, rho, eps = hp("learning_rate"), hp("rho"), hp("epsilon")
+            a = rho * st(f"{n}.{prefix}_accu", p) + (1 - rho) * g ** 2
+            d = st(f"{n}.{prefix}_delta_accu", p)
             u = g * np.sqrt(d + eps) / np.sqrt(a + eps)
             new_p = p - lr * u
-            state[f"{n}.adadelta_accu"] = a
-            state[f"{n}.adadelta_delta_accu"] = rho * d + (1 - rho) * u ** 2
+            state[f"{n}.{prefix}_accu"] = a
+            state[f"{n}.{prefix}_delta_accu"] = rho * d + (1 - rho) * u ** 2
         elif rule in ADAM_FAMILY:
-            lr = hp("learning_rate", 0.002 if rule == "adamax" else 0.001)
-            b1, b2 = hp("beta1", 0.9), hp("beta2", 0.999)
-            eps = hp("epsilon", 1e-8)
-            m = b1 * st(f"{n}.{rule}_m", p) + (1 - b1) * g
-            state[f"{n}.{rule}_m"] = m
+            lr = hp("learning_rate")
+            b1, b2 = hp("beta1"), hp("beta2")
+            eps = hp("epsilon")
+            m = b1 * st(f"{n}.{prefix}_m", p) + (1 - b1) * g
+            state[f"{n}.{prefix}_m"] = m
             if rule == "adamax":
                 a_t = lr / (1 - b1 ** t)
-                u = np.maximum(b2 * st(f"{n}.adamax_u", p), np.abs(g))
-                state[f"{n}.adamax_u"] = u
+                u = np.maximum(b2 * st(f"{n}.{prefix}_u", p), np.abs(g))
+                state[f"{n}.{prefix}_u"] = u
                 new_p = p - a_t * m / (u + eps)
             else:
                 a_t = lr * np.sqrt(1 - b2 ** t) / (1 - b1 ** t)
-                v = b2 * st(f"{n}.{rule}_v", p) + (1 - b2) * g ** 2
-                state[f"{n}.{rule}_v"] = v
+                v = b2 * st(f"{n}.{prefix}_v", p) + (1 - b2) * g ** 2
+                state[f"{n}.{prefix}_v"] = v
                 if rule == "amsgrad":
-                    v = np.maximum(st(f"{n}.amsgrad_vhat", p), v)
-                    state[f"{n}.amsgrad_vhat"] = v
+                    v = np.maximum(st(f"{n}.{prefix}_vhat", p), v)
+                    state[f"{n}.{prefix}_vhat"] = v
                 new_p = p - a_t * m / (np.sqrt(v) + eps)
         else:  # pragma: no cover
             raise AssertionError(rule)
         params[n] = new_p
+
+
+def _large_batch_update(rule, n, p, g, st, state, prefix, hp, t, excluded, nesterov):
+    """One parameter's new value under AdamW, LARS or LAMB (optax's definitions).
+
+    * AdamW (Loshchilov & Hutter 2019; ``optax.adamw``): the bias-corrected
+      Adam direction ``d = m_hat / (sqrt(v_hat) + epsilon)``, then
+      ``param - lr * (d + weight_decay * param)``.
+    * LAMB (You et al. 2020; ``optax.lamb``): the same ``d + weight_decay *
+      param``, scaled by ``||param|| / ||d + weight_decay * param||``.
+    * LARS (You, Gitman & Ginsburg 2017; ``optax.lars``): ``u = g +
+      weight_decay * param`` scaled by ``trust_coefficient * ||param|| /
+      (||u|| + eps)``; the trace ``tr := momentum * tr - lr * u`` and
+      ``param + tr`` (Nesterov: ``param + momentum * tr - lr * u``).
+
+    An `excluded` parameter gets neither the decay nor a trust ratio.
+    """
+    lr, wd = hp("learning_rate"), hp("weight_decay")
+    if rule == "lars":
+        u = g if excluded else g + wd * p
+        if not excluded:
+            u = u * trust_ratio(p, u, hp("trust_coefficient"), hp("eps"))
+        step = -lr * u
+        trace = hp("momentum") * st(f"{n}.{prefix}_momentum", p) + step
+        state[f"{n}.{prefix}_momentum"] = trace
+        return p + (step + hp("momentum") * trace if nesterov else trace)
+    b1, b2, eps = hp("beta1"), hp("beta2"), hp("epsilon")
+    m = b1 * st(f"{n}.{prefix}_m", p) + (1 - b1) * g
+    v = b2 * st(f"{n}.{prefix}_v", p) + (1 - b2) * g * g
+    state[f"{n}.{prefix}_m"], state[f"{n}.{prefix}_v"] = m, v
+    m_hat, v_hat = m / (1 - b1 ** t), v / (1 - b2 ** t)
+    u = m_hat / (np.sqrt(v_hat) + eps)
+    if not excluded:
+        u = u + wd * p
+        if rule == "lamb":
+            u = u * trust_ratio(p, u)
+    return p - lr * u
+
+
+# ------------------------------------------------------------------ schedules
+#
+# Learning-rate schedules as functions of the optimizer step (0, 1, 2, ...),
+# written from their published definitions with optax's argument meanings.
+# Each factory returns a function of a number or an array of steps that
+# returns float64 values.
+
+
+def _as_steps(step):
+    return np.asarray(step, dtype=np.float64)
+
+
+def schedule_constant(value):
+    """``lr(step) = value`` (``optax.constant_schedule``)."""
+    return lambda step: np.full(np.shape(step), float(value))
+
+
+def schedule_linear(init_value, end_value, transition_steps, transition_begin=0):
+    """Linear interpolation (``optax.linear_schedule``).
+
+    ``init_value`` up to step ``B = max(transition_begin, 0)``, then a straight
+    line reaching ``end_value`` at step ``B + transition_steps`` and staying
+    there; a constant ``init_value`` when ``transition_steps <= 0``.
+    """
+    begin = max(int(transition_begin), 0)
+
+    def lr(step):
+        s = _as_steps(step)
+        if transition_steps <= 0:
+            return np.full(s.shape, float(init_value))
+        progress = np.clip((s - begin) / transition_steps, 0.0, 1.0)
+        return init_value + (end_value - init_value) * progress
+
+    return lr
+
+
+def schedule_cosine_decay(init_value, decay_steps, alpha=0.0, exponent=1.0):
+    """Cosine annealing (Loshchilov & Hutter 2017, SGDR; ``optax.cosine_decay_schedule``).
+
+    ``init_value * (alpha + (1 - alpha) * c ** exponent)`` with
+    ``c = (1 + cos(pi * min(step, decay_steps) / decay_steps)) / 2``.
+    """
+    def lr(step):
+        s = np.minimum(_as_steps(step), decay_steps)
+        c = 0.5 * (1.0 + np.cos(np.pi * s / decay_steps))
+        return init_value * (alpha + (1.0 - alpha) * c ** exponent)
+
+    return lr
+
+
+def schedule_warmup_cosine_decay(init_value, peak_value, warmup_steps, decay_steps,
+                                 end_value=0.0, exponent=1.0):
+    """Linear warmup, then cosine annealing (``optax.warmup_cosine_decay_schedule``).
+
+    Steps ``0 .. W = warmup_steps``: linear from `init_value` to `peak_value`;
+    from W on: ``end + (peak_value - end) * c ** exponent`` with ``c = (1 +
+    cos(pi * min(step - W, T - W) / (T - W))) / 2`` and ``T = decay_steps``
+    (the whole schedule's length). As in optax, the end is 0 when
+    ``peak_value == 0``.
+    """
+    end = 0.0 if peak_value == 0.0 else end_value
+    length = decay_steps - warmup_steps
+
+    def lr(step):
+        s = _as_steps(step)
+        if warmup_steps > 0:
+            warm = init_value + (peak_value - init_value) * np.clip(s / warmup_steps, 0.0, 1.0)
+        else:
+            warm = np.full(s.shape, float(init_value))
+        c = 0.5 * (1.0 + np.cos(np.pi * np.clip(s - warmup_steps, 0.0, length) / length))
+        decay = end + (peak_value - end) * c ** exponent
+        return np.where(s < warmup_steps, warm, decay)
+
+    return lr
+
+
+def schedule_piecewise_constant(init_value, boundaries_and_scales=None):
+    """``init_value`` times every ``scale`` whose ``boundary <= step``.
+
+    ``optax.piecewise_constant_schedule``: from step `boundary` on, the rate
+    is multiplied by `scale`.
+    """
+    items = list((boundaries_and_scales or {}).items())
+
+    def lr(step):
+        s = _as_steps(step)
+        factor = np.ones(s.shape)
+        for boundary, scale in items:
+            factor = factor * np.where(s >= boundary, float(scale), 1.0)
+        return init_value * factor
+
+    return lr
+
+
+def schedule_exponential_decay(init_value, transition_steps, decay_rate, transition_begin=0,
+                               staircase=False, end_value=None):
+    """Exponential decay (``optax.exponential_decay``, TensorFlow's definition).
+
+    ``init_value * decay_rate ** ((step - B) / T)`` after step
+    ``B = max(transition_begin, 0)``, `init_value` before; the exponent is
+    rounded down when `staircase`; `end_value` bounds the result (from below
+    when ``decay_rate < 1``, from above otherwise). ``T <= 0`` or
+    ``decay_rate == 0``: a constant `init_value`.
+    """
+    begin = max(int(transition_begin), 0)
+
+    def lr(step):
+        s = _as_steps(step)
+        if transition_steps <= 0 or decay_rate == 0:
+            return np.full(s.shape, float(init_value))
+        exponent = (s - begin) / transition_steps
+        if staircase:
+            exponent = np.floor(exponent)
+        value = np.where(s > begin, init_value * float(decay_rate) ** exponent, init_value)
+        if end_value is not None:
+            value = (np.maximum(value, end_value) if decay_rate < 1
+                     else np.minimum(value, end_value))
+        return value
+
+    return lr
+
+
+def schedule_linear_scaling(base_lr, base_batch_size, batch_size):
+    """Goyal et al. (2017): ``lr = base_lr * batch_size / base_batch_size``.
+
+    `base_lr` is a number (the scaled number is returned) or a reference
+    schedule (a scaled schedule is returned).
+    """
+    factor = batch_size / base_batch_size
+    if callable(base_lr):
+        return lambda step: base_lr(step) * factor
+    return base_lr * factor

@@ -10,6 +10,7 @@ module-level dict and the shared variables are reset with ``set_value`` at the
 start of each hypothesis example.
 """
 
+import dataclasses
 from collections import OrderedDict
 
 import numpy as np
@@ -270,8 +271,10 @@ def test_reset_function():
 def test_accumulation_api_and_count():
     m = Model()
     result = accumulate_gradients(m.loss, m.params)
-    assert isinstance(result, Accumulation) and isinstance(result, tuple)
-    assert len(result) == 2
+    assert isinstance(result, Accumulation)
+    assert len(result) == 2 and result[0] is result.accumulate and result[1] is result.reset
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        result.count = None   # frozen
     accu, rst = result
     assert accu is result.accumulate and rst is result.reset
     assert isinstance(accu, OrderedDict) and isinstance(rst, OrderedDict)
@@ -646,3 +649,20 @@ def test_option_type_errors():
         accumulate_gradients(m.loss, m.params, skip_nonfinite="yes")
     with pytest.raises(ValueError, match="max_norm must be >= 0"):
         accumulate_gradients(m.loss, m.params, max_norm=-1.0)
+
+
+def test_a_copy_of_the_grads_list_keeps_the_guard():
+    """The rules recognise ``accu.grads`` by the gradients themselves, so a copy of the
+    list (``list(accu.grads)``, a tuple) still gives a guarded apply step: on an empty
+    window nothing moves and Adam's step count stays 0 (numpy: the values as they were)."""
+    m = Model()
+    acc = accumulate_gradients(m.loss, m.params)
+    for copy in (list, tuple):
+        rule = L.adam(copy(acc.grads), m.params, learning_rate=0.01)
+        apply_fn = pytensor.function([], [], updates=L.merge_updates(rule, acc.reset))
+        before = [p.get_value().copy() for p in m.params]
+        apply_fn()
+        for p, old in zip(m.params, before):
+            np.testing.assert_array_equal(p.get_value(), old)
+        t = next(v for v in rule if v.name == "adam.t")
+        assert int(t.get_value()) == 0

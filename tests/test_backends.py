@@ -1,8 +1,10 @@
 """The same numbers in every PyTensor backend that is installed.
 
 Each backend's results are compared with the C backend's (whose numbers the
-other test modules check against independent numpy references). A backend is
-skipped only when its package is missing.
+other test modules check against independent numpy references), every
+function compiled with ``lasagne_accum.mode(<backend>)``. A backend is
+skipped only when its package is missing. (What PyTensor's own modes get
+wrong without the library's fixes: ``tests/test_upstream.py``.)
 
 This is the module that compiles for real (the root ``conftest.py`` runs the
 others with Python implementations), and compiling is what costs: seconds per
@@ -20,6 +22,8 @@ import pytensor.tensor as pt
 import pytest
 
 import lasagne_accum as la
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")   # tools/fastcompile.py
 
 RULES = {
     "sgd": dict(learning_rate=0.1),
@@ -107,7 +111,7 @@ def _plain_updates(rules, dtype):
 
 def _run_plain(rules, dtype, mode):
     x, y, upd, losses = _plain_updates(rules, dtype)
-    f = pytensor.function([x, y], losses, updates=upd, mode=mode)
+    f = pytensor.function([x, y], losses, updates=upd, mode=la.mode(mode))
     for batch in _data(dtype, 3):
         f(*batch)
     return _host(upd)
@@ -125,8 +129,8 @@ def _run_two_function(rules, dtype, mode):
         accu_all.update(accu)
         apply_all.update(apply)
         averages.append((avg, params))
-    step = pytensor.function([x, y], [], updates=accu_all, mode=mode)
-    apply_fn = pytensor.function([], [], updates=apply_all, mode=mode)
+    step = pytensor.function([x, y], [], updates=accu_all, mode=la.mode(mode))
+    apply_fn = pytensor.function([], [], updates=apply_all, mode=la.mode(mode))
     for i, batch in enumerate(_data(dtype, 9), 1):
         step(*batch)
         if i % 3 == 0:
@@ -152,7 +156,7 @@ def _run_single_function(rules, dtype, mode):
             upd.update(la.with_accumulated_gradients(loss, params, 3, getattr(la, rule),
                                                      weight=x.shape[0], name=f"{rule}.average",
                                                      **RULES[rule]))
-    f = pytensor.function([x, y], [], updates=upd, mode=mode)
+    f = pytensor.function([x, y], [], updates=upd, mode=la.mode(mode))
     for batch in _data(dtype, 6):
         f(*batch)
     return _host(upd)
@@ -183,7 +187,7 @@ def _run_float32(rules, dtype, mode):
     x, y, upd, losses = _plain_updates(rules, dtype)
     params, loss = _model(dtype, "single.", (x, y))[2:]
     upd.update(la.adam(loss, params, average=3, name="single.average", **RULES["adam"]))
-    f = pytensor.function([x, y], [*losses, loss], updates=upd, mode=mode)
+    f = pytensor.function([x, y], [*losses, loss], updates=upd, mode=la.mode(mode))
     for batch in _data(dtype, 3):
         f(*batch)
     return _host(upd)
@@ -229,8 +233,8 @@ def test_jax_two_function_reset_stays_float32():
     a 0-d constant as a Python number, which JAX takes as float64."""
     x, y, params, loss = _model("float32")
     acc = la.accumulate_gradients(loss, params, weight=x.shape[0])
-    step = pytensor.function([x, y], [], updates=acc.accumulate, mode="JAX")
-    reset = pytensor.function([], [], updates=acc.reset, mode="JAX")
+    step = pytensor.function([x, y], [], updates=acc.accumulate, mode=la.mode("JAX"))
+    reset = pytensor.function([], [], updates=acc.reset, mode=la.mode("JAX"))
     for batch in _data("float32", 2):
         step(*batch)
     reset()
@@ -249,7 +253,7 @@ def test_jax_state_stays_on_device_and_checkpoints(tmp_path):
     upd = la.adam(loss, params, 0.05)
     avg = la.ModelAverage(params, 0.5, 3, 10, updates=upd)  # closes at step 3
     upd.update(avg.updates)
-    f = pytensor.function([x, y], loss, updates=upd, mode="JAX")
+    f = pytensor.function([x, y], loss, updates=upd, mode=la.mode("JAX"))
     for batch in _data("float32", 3):
         f(*batch)
     # Between calls every piece of state is a JAX array: no host round trip per step.

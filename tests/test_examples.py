@@ -30,6 +30,8 @@ import mlp_digits  # noqa: E402
 import model_average  # noqa: E402
 import models  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")   # tools/fastcompile.py
+
 FAST = ["--no-progress", "--mode", "CVM"]
 ROW = re.compile(r"^(control|cross) nodrop minibatch=(\d+)(?:\((\d+)\))? x(\d+) (\d+) iters "
                  r"(\S+) (\S+) lr=(\S+) momentum=(\S+)$", re.M)
@@ -90,22 +92,28 @@ def test_cross_minibatch_quick_defaults():
 def test_cross_minibatch_turns_precompiled_headers_and_parallel_compiles_on_and_off(tmp_path):
     from pytensor.link.c.cmodule import GCC_compiler
 
-    from lasagne_accum import compiling
+    import fastcompile   # tools/, on the path through models.fast_compiles
 
     argv = FAST + ["--model", "mlp", "--epochs", "1", "--train-size", "10", "--rows", "1",
                    "--out", str(tmp_path), "--no-plot"]
-    compiling.use_parallel_compile(1)
-    compiling.use_precompiled_headers(False)
+    was = fastcompile._pch, fastcompile._jobs
+    fastcompile.use_parallel_compile(1)
+    fastcompile.use_precompiled_headers(False)
     pytensors = GCC_compiler.compile_str
     assert pytensors.__qualname__ == "GCC_compiler.compile_str"   # PyTensor's own
-    cross_minibatch.main(argv + ["--jobs", "1"])
-    assert (GCC_compiler.compile_str is compiling._compile_str) is bool(compiling._gxx_version())
-    cross_minibatch.main(argv + ["--no-pch", "--jobs", "1"])
-    assert GCC_compiler.compile_str is pytensors
-    cross_minibatch.main(argv + ["--no-pch", "--jobs", "3"])
-    assert compiling._jobs == 3 and GCC_compiler.compile_str is compiling._compile_str
-    cross_minibatch.main(argv + ["--no-pch"])   # one per core
-    assert compiling._jobs == len(os.sched_getaffinity(0))
+    try:
+        cross_minibatch.main(argv + ["--jobs", "1"])
+        assert (GCC_compiler.compile_str is fastcompile._compile_str) is bool(
+            fastcompile._gxx_version())
+        cross_minibatch.main(argv + ["--no-pch", "--jobs", "1"])
+        assert GCC_compiler.compile_str is pytensors
+        cross_minibatch.main(argv + ["--no-pch", "--jobs", "3"])
+        assert fastcompile._jobs == 3 and GCC_compiler.compile_str is fastcompile._compile_str
+        cross_minibatch.main(argv + ["--no-pch"])   # one per core
+        assert fastcompile._jobs == len(os.sched_getaffinity(0))
+    finally:   # as the module's fixture set it
+        fastcompile.use_precompiled_headers(was[0])
+        fastcompile.use_parallel_compile(was[1])
     with pytest.raises(SystemExit):
         cross_minibatch.parse_args(["--jobs", "0"])
 

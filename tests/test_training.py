@@ -165,3 +165,115 @@ def test_name_prefixes_the_trainers_state_and_an_empty_flush_is_not_a_step():
     np.testing.assert_array_equal(w.get_value(), [0.5, -1.0])
     t = next(v for v in trainer.apply_updates if v.name == "adam.t")
     assert int(t.get_value()) == 0
+
+
+# ------------------------------------------------ averages, checkpoints, warm-up
+
+
+def _averaged_trainer(**kwargs):
+    x, y, w, loss = _model()
+    trainer = la.compile_accumulation(
+        [x, y], loss, [w], la.sgd, dict(learning_rate=LR), every=2, weight=x.shape[0],
+        model_average=dict(average_window_rate=1.0, min_average_window=1,
+                           max_average_window=100),
+        ema=dict(decay=0.75), **kwargs)
+    return x, y, w, trainer
+
+
+def test_averages_are_built_on_the_apply_step_and_reachable():
+    """``trainer.model_average`` / ``trainer.ema`` average the values after each
+    optimizer step (numpy: the window closes after step 1, so the average is the
+    mean of both steps; the EMA starts at the initial values)."""
+    _, _, w, trainer = _averaged_trainer()
+    batches = _batches([2, 1, 3, 2, 1])   # two full windows, one batch pending
+    for batch in batches:
+        trainer.step(*batch)
+    w0 = np.array([0.5, -1.0])
+    w1, w2 = _reference(batches[:2], 2), _reference(batches[:4], 2)
+    assert trainer.model_average.steps == 2 and trainer.ema.steps == 2
+    with trainer.model_average.apply():
+        np.testing.assert_allclose(w.get_value(), (w1 + w2) / 2, rtol=1e-12)
+    shadow = 0.75 * (0.75 * w0 + 0.25 * w1) + 0.25 * w2
+    with trainer.ema.apply():
+        np.testing.assert_allclose(w.get_value(), shadow, rtol=1e-12)
+    np.testing.assert_array_equal(w.get_value(), w2)   # restored, bit for bit
+    assert trainer.flush() is True   # the pending batch: a third step
+    trainer.apply_fn()   # an apply on an empty window does not move the averages
+    assert trainer.model_average.steps == 3 and trainer.ema.steps == 3
+
+
+def test_trainer_checkpoint_keeps_counters_averages_and_metadata(tmp_path):
+    """Saved mid-window with loop state; a new trainer loads it: the same steps
+    count, window, averages and metadata, and the rest of the run is bit-identical."""
+    batches = _batches([2, 1, 3, 2, 1, 2, 2, 3, 1], seed=4)
+    _, _, w, trainer = _averaged_trainer()
+    for batch in batches[:5]:
+        trainer.step(*batch)
+    rng = np.random.default_rng(7)
+    rng.random(3)
+    meta = {"epoch": 1, "position": 5, "rng": rng.bit_generator.state, "note": "mid"}
+    trainer.save(tmp_path / "mid.npz", metadata=meta)
+    with trainer.model_average.apply():
+        with pytest.raises(RuntimeError, match="restore"):
+            trainer.save(tmp_path / "applied.npz")
+    for batch in batches[5:]:
+        trainer.step(*batch)
+    trainer.flush()
+    want = (w.get_value().copy(), trainer.model_average.averages()[0], trainer.ema.averages()[0],
+            trainer.steps)
+
+    _, _, w2, resumed = _averaged_trainer()
+    loaded = resumed.load(tmp_path / "mid.npz")
+    assert loaded == {**meta, "rng": loaded["rng"]} and resumed.steps == 2
+    rng2 = np.random.default_rng(0)
+    rng2.bit_generator.state = loaded["rng"]
+    assert rng2.random() == rng.random()   # the data RNG resumes where it stopped
+    assert resumed.pending == 1
+    for batch in batches[5:]:
+        resumed.step(*batch)
+    resumed.flush()
+    got = (w2.get_value(), resumed.model_average.averages()[0], resumed.ema.averages()[0],
+           resumed.steps)
+    for a, b in zip(got[:3], want[:3]):
+        np.testing.assert_array_equal(a, b)
+    assert got[3] == want[3] == 5
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(model_average=0.5), TypeError, "model_average must be a dict"),
+    (dict(ema=dict(decay=0.9, params=[])), TypeError, "ema: params are set by"),
+    (dict(model_average=dict(average_window_rate=2.0)), ValueError, "average_window_rate"),
+])
+def test_bad_average_arguments(kwargs, error, match):
+    x, y, w, loss = _model()
+    with pytest.raises(error, match=match):
+        la.compile_accumulation([x, y], loss, [w], la.sgd, dict(learning_rate=LR), **kwargs)
+
+
+def test_example_warms_up_and_leaves_the_state_as_it_was():
+    x, y, w, loss = _model()
+    batches = _batches([2, 3])
+    trainer = la.compile_accumulation([x, y], loss, [w], la.adam, dict(learning_rate=LR),
+                                      every=2, example=batches[0])
+    assert trainer.compile_seconds > 0
+    state = la.collect_state(trainer)
+    assert all(not np.any(v.get_value()) for n, v in state.items() if n != "w")
+    np.testing.assert_array_equal(w.get_value(), [0.5, -1.0])
+    before = {n: v.get_value().copy() for n, v in state.items()}
+    assert trainer.warm_up(*batches[1]) > 0
+    for n, v in state.items():
+        np.testing.assert_array_equal(v.get_value(), before[n], err_msg=n)
+
+
+def test_merge_updates_keeps_order_and_refuses_two_values():
+    a = pytensor.shared(0.0, name="a")
+    b = pytensor.shared(0.0, name="b")
+    inc = a + 1
+    merged = la.merge_updates({a: inc}, None, {b: b * 2, a: inc})
+    assert list(merged) == [a, b] and merged[a] is inc
+    with pytest.raises(ValueError, match=r"merge_updates\(\): a is updated twice"):
+        la.merge_updates({a: a + 1}, {b: b}, {a: a - 1})
+    with pytest.raises(TypeError, match="argument 1 is a list"):
+        la.merge_updates({a: inc}, [a])
+    with pytest.raises(TypeError, match="not a shared variable"):
+        la.merge_updates({pt.scalar("s"): inc})

@@ -520,11 +520,11 @@ def test_signature_and_defaults_match_lasagne(name, positional, defaults):
 
 def test_constraints_reexported_from_updates():
     import lasagne_accum
-    from lasagne_accum import constraints, grads
+    from lasagne_accum import _graph, constraints
 
     assert U.norm_constraint is constraints.norm_constraint
     assert U.total_norm_constraint is constraints.total_norm_constraint
-    assert U.get_or_compute_grads is grads.get_or_compute_grads
+    assert U.get_or_compute_grads is _graph.get_or_compute_grads
     assert lasagne_accum.adam is U.adam
 
 

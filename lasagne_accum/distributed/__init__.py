@@ -35,7 +35,7 @@ import numpy as np
 from . import checks
 from .checks import *  # noqa: F403  ServerOptions and the exceptions: checks.__all__
 from .checks import ServerOptions, ShardLostError
-from ..state import save_arrays
+from ..checkpoint import save_arrays
 from .local import run_local
 from .server import ParameterServer
 from .shard import Shard
@@ -194,7 +194,7 @@ def train(
         Load the server's state before training; save it after.
     checkpoint_every : float, optional
         Also save to `checkpoint_to` every this many seconds while training
-        runs (atomic, through :func:`lasagne_accum.state.save_arrays`; both
+        runs (atomic, through :func:`lasagne_accum.checkpoint.save_arrays`; both
         backends), so a lost shard process costs at most that much training:
         restart with ``resume_from=checkpoint_to``.
     server : ParameterServer or DaskParameterServer, optional

@@ -100,7 +100,7 @@ class ServerOptions:
         "fail": discard the round, drop them, raise :class:`RoundTimeoutError`.
     compile_mode : str or None
         PyTensor mode of the apply functions (default: see
-        :func:`lasagne_accum.backends.default_modes`).
+        :func:`lasagne_accum.default_modes`).
     check_finite : bool
         Reject gradients with NaN or inf.
     keep_log : bool

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from ..state import read_arrays, save_arrays
+from ..checkpoint import read_arrays, save_arrays
 from .checks import PushRejected, ServerClosedError, ServerOptions, check_grads, check_seq, \
     check_version, check_weight, check_worker_id, named_params, param_specs, plan_shards
 from .shard import Shard, push_atomic
@@ -288,7 +288,7 @@ class BaseServer:
     def save(self, path: PathLike) -> list[str]:
         """Checkpoint params, rule state, counters and each worker's applied seqs (atomic).
 
-        Written with :func:`lasagne_accum.state.save_arrays`; parameters keep
+        Written with :func:`lasagne_accum.checkpoint.save_arrays`; parameters keep
         their names, so ``load_state(path, my_params, strict=False)`` reads
         them into a single-process model. Returns the names written.
         """

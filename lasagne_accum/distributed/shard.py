@@ -22,9 +22,9 @@ import pytensor
 import pytensor.tensor as pt
 from pytensor.compile.sharedvalue import SharedVariable
 
-from ..state import collect_state
-from ..backends import default_modes
-from ..grads import check_rule_updates
+from ..checkpoint import collect_state
+from ..modes import default_modes, mode as la_mode
+from .._checks import check_rule_updates
 from .checks import PushRejected, ServerOptions, ServerTimeoutError, check_grads, \
     check_seq, check_version, check_weight, check_worker_id, learning_rate_kind, \
     named_params, param_specs
@@ -79,7 +79,7 @@ class ApplyFunction:
                 # shard-level state (adam.t): one per shard, named after it
                 var.name = f"{shard_name}/{var.name or f'state{i}'}"
         self.updates = OrderedDict(updates)
-        mode = compile_mode or default_modes()[1]
+        mode = la_mode(compile_mode or default_modes()[1])
         self._fn = pytensor.function(grads + [factor], [], updates=self.updates, mode=mode)
         self._warm_up()
 

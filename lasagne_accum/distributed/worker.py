@@ -12,8 +12,8 @@ import numpy as np
 import pytensor
 
 from ..accumulate import accumulate_gradients
-from ..backends import default_modes
-from ..grads import check_int
+from ..modes import default_modes, mode as la_mode
+from .._checks import check_int
 from .checks import check_worker_id, param_specs
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ class Worker:
     model_kwargs : dict, optional
     compile_mode : str, optional
         PyTensor mode of both functions (default:
-        :func:`lasagne_accum.backends.default_modes`).
+        :func:`lasagne_accum.default_modes`).
     """
 
     def __init__(
@@ -114,9 +114,10 @@ class Worker:
         self.params = OrderedDict(zip(names, params))
         acc = accumulate_gradients(loss, params, weight=weight)
         acc_mode, read_mode = (compile_mode, compile_mode) if compile_mode else default_modes()
-        self._step = pytensor.function(inputs, loss, updates=acc.accumulate, mode=acc_mode)
+        self._step = pytensor.function(inputs, loss, updates=acc.accumulate,
+                                       mode=la_mode(acc_mode))
         self._read = pytensor.function([], list(acc.grads) + [acc.total], updates=acc.reset,
-                                       mode=read_mode)
+                                       mode=la_mode(read_mode))
         self.compile_seconds = time.perf_counter() - start
         self.seq = 0
         self.version: tuple[int | None, ...] | None = None

@@ -1,11 +1,18 @@
-"""Faster cold compiles: PyTensor's C modules against a precompiled header.
+"""Faster cold compiles of PyTensor's C backend: precompiled headers, parallel compiles.
+
+A compile-speed tool for PyTensor, not part of lasagne_accum: the demo, the
+examples and the test suite opt in to it by name (``fast_compiles()`` in
+``examples/models.py``); nothing turns it on by itself. It wraps PyTensor's
+compile function and VM linker while on, and is tested with the PyTensor
+releases in :data:`TESTED`; outside them, turning it on warns and does
+nothing (PyTensor compiles as it always does).
 
 Every C module that PyTensor's C backend generates opens with a block of
 ``#include`` lines, nearly always the same ones (``Python.h``, numpy's
 ``arrayobject.h`` and friends; ``<vector>`` and ``<algorithm>`` where an
 ``Elemwise`` or ``CAReduce`` node is in it), and g++ parses those headers
-again for each module: 0.4-0.6 s of a 0.7-1.2 s compile on a 2-core machine,
-before a line of the op's own code. :func:`use_precompiled_headers` has g++
+again for each module, before a line of the op's own code: most of a small
+module's compile time. :func:`use_precompiled_headers` has g++
 parse them once per include block and set of compiler flags, into a
 precompiled header (``.gch``) in PyTensor's compile directory, and hands it
 to every later compile of that kind with ``-include``.
@@ -44,7 +51,10 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["use_precompiled_headers", "use_parallel_compile"]
+__all__ = ["use_precompiled_headers", "use_parallel_compile", "TESTED"]
+
+#: The PyTensor releases this tool is tested with: ``low <= version < high``.
+TESTED = ("3.0.7", "3.1")
 
 #: The include lines PyTensor 3's C backend opens its modules with. A module
 #: whose leading include block uses only these (in any order or number) gets a
@@ -98,7 +108,7 @@ def use_precompiled_headers(enable: bool = True) -> bool:
     (an empty compile cache) get faster; warm ones, which compile nothing,
     do not change. The header of each kind of module (its include block and
     compiler flags) is built when the second module of that kind compiles,
-    in ``<pytensor.config.compiledir>/lasagne_accum_pch/``, and rebuilt when
+    in ``<pytensor.config.compiledir>/fastcompile_pch/``, and rebuilt when
     any file it includes has changed (size, modification time or inode).
 
     Parameters
@@ -123,9 +133,7 @@ def use_precompiled_headers(enable: bool = True) -> bool:
 
     Notes
     -----
-    The cold run of ``examples/cross_minibatch.py --quick`` (48 C modules)
-    took 4-25% less time with it in four paired runs, 17-18% in the middle
-    two (README, "Precompiled headers"). The objects are the same: ``tests/test_compiling.py`` compiles a module
+    The objects are the same: ``tests/test_fastcompile.py`` compiles a module
     through PyTensor's compile command both ways, with g++ told to fail if
     it cannot use the header, and compares the disassembly. If g++ fails on
     the header itself (say, an unreadable ``.gch``), the module is compiled
@@ -135,7 +143,7 @@ def use_precompiled_headers(enable: bool = True) -> bool:
     Examples
     --------
     >>> import pytensor, pytensor.tensor as pt
-    >>> from lasagne_accum.training import use_precompiled_headers
+    >>> from fastcompile import use_precompiled_headers
     >>> on = use_precompiled_headers()   # False without g++
     >>> x = pt.dvector("x")
     >>> f = pytensor.function([x], pt.exp(x) + 1, mode="CVM")
@@ -148,7 +156,7 @@ def use_precompiled_headers(enable: bool = True) -> bool:
     if not isinstance(enable, bool):
         raise TypeError(f"enable must be a bool, got {type(enable).__name__}")
     with _lock:
-        _pch = enable and bool(_gxx_version())
+        _pch = enable and bool(_gxx_version()) and tested()
         _install()
         return _pch
 
@@ -203,7 +211,7 @@ def use_parallel_compile(jobs: int | None = None) -> int:
     The jobs run g++ outside PyTensor's compile lock, each in a directory of
     its own; the cache, its keys and its bookkeeping stay PyTensor's, under
     its lock as before, so modules compiled either way are interchangeable.
-    ``tests/test_compiling.py`` checks that a function's modules are the
+    ``tests/test_fastcompile.py`` checks that a function's modules are the
     same (source and disassembly) as a one-by-one compile's. Functions
     compiled by other linkers (Numba, JAX, PyTorch) are not affected. A
     Ctrl-C stops the compile at once: the jobs not started are cancelled,
@@ -211,15 +219,10 @@ def use_parallel_compile(jobs: int | None = None) -> int:
     about a second, when it exits), and what any job compiled for nothing
     is deleted.
 
-    The cold run of ``examples/cross_minibatch.py --quick`` (48 C modules)
-    compiled its accumulate step in 6.8 and 6.9 s against 12.8 and 13.3 s one
-    by one, in a fresh clone on 2 cores with precompiled headers on in both
-    (README, "Parallel compiles").
-
     Examples
     --------
     >>> import pytensor, pytensor.tensor as pt
-    >>> from lasagne_accum.training import use_parallel_compile
+    >>> from fastcompile import use_parallel_compile
     >>> jobs = use_parallel_compile(2)
     >>> x = pt.dvector("x")
     >>> f = pytensor.function([x], pt.exp(x) + pt.log1p(x) ** 2, mode="CVM")
@@ -236,9 +239,33 @@ def use_parallel_compile(jobs: int | None = None) -> int:
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs}")
     with _lock:
-        _jobs = jobs
+        _jobs = jobs if jobs == 1 or tested() else 1
         _install()
         return _jobs
+
+
+_warned: list[str] = []
+
+
+def tested() -> bool:
+    """Whether the installed PyTensor is one of :data:`TESTED`; warns once if not."""
+    import re
+    import warnings
+
+    import pytensor
+
+    def numbers(version):
+        match = re.match(r"\d+(\.\d+)*", version)
+        return tuple(int(x) for x in match.group(0).split(".")) if match else ()
+
+    version = str(getattr(pytensor, "__version__", "0"))
+    ok = numbers(TESTED[0]) <= numbers(version) < numbers(TESTED[1])
+    if not ok and version not in _warned:
+        _warned.append(version)
+        warnings.warn(f"fastcompile is tested with PyTensor >={TESTED[0]},<{TESTED[1]}; "
+                      f"found {version}: PyTensor compiles as it always does",
+                      RuntimeWarning, stacklevel=3)
+    return ok
 
 
 def _usable_cpus() -> int:
@@ -454,7 +481,7 @@ def _pool() -> ThreadPoolExecutor:
         if _executor is None or _executor._max_workers != _jobs:
             if _executor is not None:
                 _executor.shutdown(wait=False)
-            _executor = ThreadPoolExecutor(_jobs, thread_name_prefix="lasagne_accum_compile")
+            _executor = ThreadPoolExecutor(_jobs, thread_name_prefix="fastcompile")
         return _executor
 
 
@@ -576,7 +603,7 @@ def header_path(cmd: list[str], block: tuple[str, ...]) -> str:
 
     what = (cmd, block, _gxx_version(), sys.version, numpy.__version__, pytensor.__version__)
     digest = hashlib.sha256(repr(what).encode()).hexdigest()[:20]
-    return os.path.join(config.compiledir, "lasagne_accum_pch", digest, "pytensor_headers.h")
+    return os.path.join(config.compiledir, "fastcompile_pch", digest, "pytensor_headers.h")
 
 
 def _stamp(path: str) -> list[int]:

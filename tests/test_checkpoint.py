@@ -165,13 +165,13 @@ def test_a_checkpoint_without_the_zeroed_flag_resumes_exactly(tmp_path, strict):
     state = _values(collect_state(upd_old))
     assert int(state["average.count"]) == 0 and state["W.grad_accu"].any()
     del state["average.zeroed"]
-    la.state.save_arrays(tmp_path / "old.npz", state)
+    la.checkpoint.save_arrays(tmp_path / "old.npz", state)
 
     f2, upd2 = _single_lazy(True)
     for batch in batches[:3]:  # a step: this model's flag is True now
         f2(*batch)
-    names = load_state(tmp_path / "old.npz", upd2, strict=strict)
-    assert "average.zeroed" not in names
+    metadata, _, names = la.checkpoint.read_state(tmp_path / "old.npz", [upd2], strict=strict)
+    assert "average.zeroed" not in names and metadata == {}
     got = collect_state(upd2)
     assert not got["average.zeroed"].get_value()
     for batch in batches[6:]:
@@ -209,7 +209,9 @@ def test_extra_names_in_checkpoint_are_reported(tmp_path):
     save_state(tmp_path / "c.npz", [a, b])
     with pytest.raises(ValueError, match="in the checkpoint but not in the model: b"):
         load_state(tmp_path / "c.npz", [a])
-    assert load_state(tmp_path / "c.npz", [a], strict=False) == ["a"]
+    a.set_value(np.ones(2))
+    assert load_state(tmp_path / "c.npz", [a], strict=False) == {}
+    assert a.get_value().tolist() == [0.0, 0.0]
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "foreign"])
@@ -266,7 +268,7 @@ def test_any_name_round_trips(tmp_path, name):
     assert save_state(path, [a, b]) == [name, "other"]
     a.set_value(np.zeros(3))
     b.set_value(np.zeros(2, "float32"))
-    assert load_state(path, [a, b]) == [name, "other"]
+    assert load_state(path, [a, b]) == {}
     assert a.get_value().tolist() == [0.0, 1.0, 2.0]
     assert b.get_value().tolist() == [5.0, 5.0]
 
@@ -357,7 +359,7 @@ def test_format_1_files_still_load(tmp_path):
     w = pytensor.shared(np.zeros(2), name="w")
     path = tmp_path / "old.npz"
     np.savez(path, w=np.array([3.0, 4.0]), __lasagne_accum_state__=np.array(1))
-    assert load_state(path, [w]) == ["w"]
+    assert load_state(path, [w]) == {}
     assert w.get_value().tolist() == [3.0, 4.0]
 
 
@@ -405,3 +407,55 @@ def test_unique_names_save_without_warning(tmp_path, recwarn):
     a = pytensor.shared(np.zeros(2), name="a")
     save_state(tmp_path / "c.npz", [a])
     assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
+
+
+# ------------------------------------------------------------------ metadata
+
+_SAVE_IN_ANOTHER_PROCESS = """
+import sys
+import numpy as np, pytensor
+import lasagne_accum as la
+w = pytensor.shared(np.arange(3.0), name="w")
+rng = np.random.default_rng(11)
+rng.random(5)
+la.save_state(sys.argv[1], la.sgd((w ** 2).sum(), [w], 0.1),
+              metadata={"epoch": 4, "seen": [1, 2.5, None, True], "rng": rng.bit_generator.state,
+                        "nested": {"a": {"b": "c"}}})
+print(repr(rng.random()))
+"""
+
+
+def test_metadata_survives_a_new_process(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = tmp_path / "m.npz"
+    done = subprocess.run([sys.executable, "-c", _SAVE_IN_ANOTHER_PROCESS, str(path)],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=root))
+    assert done.returncode == 0, done.stderr[-2000:]
+    w = pytensor.shared(np.zeros(3), name="w")
+    meta = load_state(path, [w])
+    assert w.get_value().tolist() == [0.0, 1.0, 2.0]
+    assert meta["epoch"] == 4 and meta["seen"] == [1, 2.5, None, True]
+    assert meta["nested"] == {"a": {"b": "c"}}
+    rng = np.random.default_rng(0)
+    rng.bit_generator.state = meta["rng"]
+    assert repr(rng.random()) == done.stdout.strip()   # the stream resumes exactly
+
+
+@pytest.mark.parametrize("metadata, error, match", [
+    ([1, 2], TypeError, "metadata must be a dict"),
+    ({1: "a"}, TypeError, r"key 1 is not a string"),
+    ({"x": np.float32(1.0)}, TypeError, r"metadata\['x'\] is a float32.*float\(\)"),
+    ({"x": [1, {"y": object()}]}, TypeError, r"metadata\['x'\]\[1\]\['y'\] is a object"),
+    ({"x": float("nan")}, ValueError, "JSON cannot hold"),
+    ({"x": "y" * (1 << 20)}, ValueError, "more than the 1048576"),
+])
+def test_bad_metadata_is_refused_and_nothing_written(tmp_path, metadata, error, match):
+    w = pytensor.shared(np.zeros(2), name="w")
+    with pytest.raises(error, match=match):
+        save_state(tmp_path / "m.npz", [w], metadata=metadata)
+    assert not (tmp_path / "m.npz").exists()

@@ -7,26 +7,23 @@ moments, timesteps) advances only on those stepping calls.
 
 Graph choices (measured in ``benchmarks/single_function.py``):
 
-* The rule's updates sit behind one ``ifelse(keep, states, new_values)``
-  (``lazy=True``, default), and so do the gradient buffers, whose stepping
-  value is zeros. When the function is compiled, a rewrite of
-  :mod:`lasagne_accum.fast_ops` turns it into a
-  :class:`~lasagne_accum.fast_ops.LazyStep` (C and Numba modes): the rule's
-  graph runs on stepping calls only and writes the new values into the state
+* The rule's updates, and the gradient buffers' zeros, are selected with one
+  ``ifelse(keep, states, new_values)`` (``lazy=True``, default), built as a
+  single node (:func:`lasagne_accum._pytensor.lazy_step.window_step`).
+  Compiled with :func:`lasagne_accum.mode` (C and Numba), the node runs the
+  rule on stepping calls only and writes the new values into the state
   buffers in place, then fills the gradient buffers with zeros, so a
   non-stepping call neither computes nor copies them, and its ``accu + dot``
-  is an in-place ``Gemm`` as in the two-function form (which writes the
-  zeros in its apply step). JAX and PyTorch keep the ``ifelse``.
+  is an in-place ``Gemm`` as in the two-function form. Compiled with a plain
+  PyTensor mode, or under JAX and PyTorch, it is PyTensor's lazy ``ifelse``.
 * The stepping call sets the bool ``<name>.zeroed``; a window's first call
   trusts its buffers to hold zeros only then, and otherwise starts from 0:
   ``accu := select(fresh and not zeroed, 0, accu) + g``. That covers state
   from anywhere else (a checkpoint of ``lazy=False`` or of version 0.2, a
   counter set back to 0 by hand). A select rather than ``0 * accu``, so that
   a NaN left in a buffer is dropped (``0 * NaN`` is NaN); when the gradient
-  is a matrix product, the rewrite ``lasagne_accum_gemm_reset`` of
-  :mod:`lasagne_accum.fast_ops` moves the select onto ``Gemm``'s beta, so the
-  product is still added into the buffer in place (C and Numba modes; BLAS
-  does not read the buffer when beta is 0).
+  is a matrix product, :func:`lasagne_accum.mode` moves the select onto
+  ``Gemm``'s beta, so the product is still added into the buffer in place.
 * ``lazy=False`` selects the rule's values with ``switch`` instead (the rule
   then runs every call), and resets the buffers on each window's first call
   (``zeroed`` stays False).
@@ -44,16 +41,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytensor.tensor as pt
-from pytensor.ifelse import ifelse
 
+from ._checks import check_int, check_params, check_rule_updates
+from ._graph import get_or_compute_grads, scalar_state
+from ._pytensor.lazy_step import window_step
 from .accumulate import _GradientBuffer
-from .grads import (
-    check_every,
-    check_params,
-    check_rule_updates,
-    get_or_compute_grads,
-    scalar_state,
-)
 
 if TYPE_CHECKING:
     from ._typing import LossOrGrads, Params, Scalar, UpdateRule, Updates
@@ -141,10 +133,10 @@ def with_accumulated_gradients(
         nothing and does not count towards the `every` batches of the window
         (the window gets longer); ``.skipped`` counts such batches.
     lazy : bool
-        True (default): the rule's arithmetic sits behind an ``ifelse``,
-        compiled to a :class:`~lasagne_accum.fast_ops.LazyStep` that runs it
-        on stepping calls only, in place, and zeroes the gradient buffers
-        there (JAX and PyTorch: the lazy ``ifelse``). False: it is selected
+        True (default): the rule's arithmetic sits behind a lazy ``ifelse``,
+        which :func:`lasagne_accum.mode` compiles (C and Numba) to an op that
+        runs it on stepping calls only, in place, and zeroes the gradient
+        buffers there. False: it is selected
         with ``switch`` and computed every call (simpler graph, more work).
         Both give the same numbers and have the same state, so a checkpoint
         of one resumes in the other.
@@ -193,7 +185,7 @@ def with_accumulated_gradients(
     >>> _ = f(3.0); w.get_value()     # mean gradient of the two calls: -4
     array([2.])
     """
-    every = check_every(every, "every")
+    every = check_int(every, "every")
     if not callable(update_rule):
         raise TypeError(f"update_rule must be callable, got {type(update_rule).__name__}")
     if not isinstance(lazy, (bool, np.bool_)):
@@ -254,15 +246,14 @@ def with_accumulated_gradients(
         for nv, v in zip(new_values, variables)
     ]
     if lazy:
-        # IfElse hands its first branch through as a view and copies the
-        # second: the unchanged values go first, so a non-stepping call
-        # copies nothing, and the rule's graph runs on stepping calls only.
-        # The buffers ride along: a stepping call also writes their zeros.
+        # The unchanged values go first: IfElse hands its first branch through as
+        # a view and copies the second, so a non-stepping call copies nothing, and
+        # the rule's graph runs on stepping calls only. The buffers ride along: a
+        # stepping call also writes their zeros.
         keep = list(variables) + sums
         stepped = new_values + [pt.zeros(a.shape, dtype=a.type.dtype) for a in sums]
-        chosen: Any = ifelse(pt.neq(c_new, every), keep, stepped)
-        if not isinstance(chosen, (list, tuple)):
-            chosen = [chosen]
+        computed = [c_new] + ([denominator] if total is not None else [])
+        chosen: Any = window_step(pt.neq(c_new, every), keep, stepped, computed=computed)
         for acc, a in zip(core.accumulators, chosen[len(variables):]):
             updates[acc] = a
     else:

@@ -16,15 +16,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytensor.tensor as pt
 
-from .grads import (
-    as_host_array,
-    check_int,
-    check_params,
-    hyperparameter,
-    param_label,
-    scalar_state,
-    state_like,
-)
+from ._checks import check_int, check_params, param_label
+from ._graph import as_host_array, hyperparameter, scalar_state, state_like
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager

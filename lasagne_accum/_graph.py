@@ -1,24 +1,18 @@
-"""Gradients, parameter checks and the one helper that makes state.
+"""Graph helpers shared by every module (private): gradients, state, constants.
 
 Every module of :mod:`lasagne_accum` builds its state (velocities, moments,
 accumulators, counters) through :func:`state_like` and :func:`scalar_state`,
 so all state variables follow one convention: same dtype (or a wider float
 for accumulators), same static shape as their parameter, and a readable,
 stable name such as ``W1.adam_m`` that checkpoints rely on.
-
-It is also the one home of the checks every module shares:
-:func:`check_params`, :func:`check_int` (an integer >= k, not a bool),
-:func:`hyperparameter`, :func:`check_rule_updates` (what an update rule
-returned) with :func:`rule_name`, and :func:`as_host_array` (a shared value
-as numpy, JAX and torch arrays included).
+:func:`get_or_compute_grads` is Lasagne's (re-exported by
+:mod:`lasagne_accum.updates`), and :func:`hyperparameter` makes a checked
+scalar of a number or a symbolic value.
 """
 
 from __future__ import annotations
 
-import numbers
-from collections import OrderedDict
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import pytensor
@@ -26,32 +20,18 @@ import pytensor.tensor as pt
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.gradient import DisconnectedInputError
 from pytensor.graph.traversal import ancestors
-from pytensor.tensor.type import TensorType
 from pytensor.tensor.variable import TensorVariable
+
+from ._checks import check_number, check_params, is_number, param_label
 
 if TYPE_CHECKING:
     from pytensor.graph.basic import Variable
     from pytensor.tensor.sharedvar import TensorSharedVariable
 
-    from ._typing import LossOrGrads, Params, Scalar, UpdateRule, Updates
+    from ._typing import LossOrGrads, Params, Scalar
 
-__all__ = [
-    "get_or_compute_grads",
-    "check_params",
-    "param_label",
-    "state_like",
-    "scalar_state",
-    "hyperparameter",
-    "accumulator_dtype",
-    "check_every",
-    "check_int",
-    "check_rule_updates",
-    "rule_name",
-    "as_host_array",
-]
-
-_FLOAT_DTYPES = ("float16", "float32", "float64")
-_INT64_MAX = int(np.iinfo(np.int64).max)
+__all__ = ["get_or_compute_grads", "state_like", "scalar_state", "hyperparameter",
+           "accumulator_dtype", "as_host_array"]
 
 
 def as_host_array(value: Any) -> np.ndarray:
@@ -70,192 +50,6 @@ def as_host_array(value: Any) -> np.ndarray:
         value = value.detach().cpu().numpy()
     return np.asarray(value)
 
-
-def check_int(value: Any, name: str, low: int = 1, high: int = _INT64_MAX) -> int:
-    """Return `value` as a Python int in ``[low, high]``, or raise naming `name`.
-
-    Accepts Python and numpy integers; refuses bools, floats, strings and
-    symbolic variables (a count such as ``average=N`` fixes the structure of
-    the graph, so it must be known when the graph is built).
-
-    Parameters
-    ----------
-    value : int
-    name : str
-        The argument's name, for error messages.
-    low : int
-        Smallest allowed value (default 1).
-    high : int
-        Largest allowed value; default the largest int64, the limit of the
-        int64 counters the value is compared with.
-
-    Raises
-    ------
-    TypeError
-        If `value` is not an integer (or is a bool, or symbolic).
-    ValueError
-        If it lies outside ``[low, high]``.
-
-    Examples
-    --------
-    >>> check_int(3, "every")
-    3
-    >>> check_int(0, "every")
-    Traceback (most recent call last):
-    ...
-    ValueError: every must be an integer >= 1, got 0
-    """
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        if hasattr(value, "type"):
-            raise TypeError(
-                f"{name} must be a Python integer, not a symbolic variable: the number of "
-                "batches per step fixes the structure of the update dictionary"
-            )
-        raise TypeError(f"{name} must be an integer >= {low}, got {value!r}")
-    value = int(value)
-    if value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value}")
-    if high is not None and value > high:
-        raise ValueError(
-            f"{name} must be at most {high} (the limit of the int64 counter it is "
-            f"compared with), got {value}"
-        )
-    return value
-
-
-def rule_name(rule: Callable[..., Any]) -> str:
-    """The name of an update rule (a function, a partial, any callable) for messages.
-
-    Examples
-    --------
-    >>> from functools import partial
-    >>> rule_name(partial(sorted, reverse=True))
-    'sorted'
-    """
-    name = getattr(rule, "__name__", None)
-    if name is None and hasattr(rule, "func"):
-        return rule_name(rule.func)
-    return name or repr(rule)
-
-
-def check_rule_updates(
-    update_rule: UpdateRule,
-    grads: Sequence[Variable],
-    params: Params,
-    kwargs: Mapping[str, Any],
-) -> Updates:
-    """Call ``update_rule(grads, params, **kwargs)`` and check what it returns.
-
-    Parameters
-    ----------
-    update_rule : callable
-        Any rule returning an update dictionary (a library rule, a partial of
-        one, a user-written function).
-    grads, params : lists
-        Passed to the rule.
-    kwargs : dict
-        The rule's hyperparameters.
-
-    Returns
-    -------
-    OrderedDict
-        The rule's dictionary, in its order.
-
-    Raises
-    ------
-    TypeError
-        If `update_rule` is not callable, returns something other than a
-        mapping, or a key is not a shared variable.
-    ValueError
-        If the dictionary does not update every parameter.
-    """
-    if not callable(update_rule):
-        raise TypeError(f"update_rule must be callable, got {type(update_rule).__name__}")
-    label = rule_name(update_rule)
-    result = update_rule(grads, params, **dict(kwargs or {}))
-    if not isinstance(result, Mapping):
-        raise TypeError(
-            f"update_rule {label} returned {type(result).__name__}, not an update "
-            "dictionary; it must return a dict mapping shared variables to new values"
-        )
-    for i, p in enumerate(params):
-        if p not in result:
-            raise ValueError(
-                f"update_rule {label} does not update params[{i}] "
-                f"({param_label(p, i)}); its dictionary must update every parameter"
-            )
-    for var in result:
-        if not isinstance(var, SharedVariable):
-            raise TypeError(
-                f"update_rule {label} returned a key {var!r} that is not a shared variable"
-            )
-    return OrderedDict(result)
-
-
-def param_label(param: Any, index: int | None = None) -> str:
-    """A human-readable name for `param` in messages and state names."""
-    if getattr(param, "name", None):
-        return param.name
-    return f"param{index}" if index is not None else repr(param)
-
-
-def check_params(params: Params, where: str = "params") -> list[SharedVariable]:
-    """Validate a list of parameters and return it as a list.
-
-    Parameters
-    ----------
-    params : list of shared variables
-        The parameters an update dictionary will update.
-    where : str
-        What to call the list in error messages.
-
-    Returns
-    -------
-    list
-        `params` as a new list.
-
-    Raises
-    ------
-    TypeError
-        If `params` is not a list or tuple (a single shared variable, a dict),
-        if an element is not a shared tensor variable, or if its dtype is not
-        a float type.
-    ValueError
-        If the same parameter appears twice.
-    """
-    if isinstance(params, SharedVariable):
-        raise TypeError(
-            f"{where} must be a list of shared variables, got the single shared "
-            f"variable {param_label(params)}; wrap it in a list: [{param_label(params)}]"
-        )
-    if isinstance(params, (dict, str)) or not hasattr(params, "__iter__"):
-        raise TypeError(
-            f"{where} must be a list of shared variables, got {type(params).__name__}"
-        )
-    params = list(params)
-    seen: dict[Any, int] = {}
-    for i, p in enumerate(params):
-        if not isinstance(p, SharedVariable):
-            raise TypeError(
-                f"{where}[{i}] ({param_label(p, i)}) is a {type(p).__name__}, not a "
-                "shared variable: update rules can only update shared variables "
-                "(create it with pytensor.shared(numpy_array, name=...))"
-            )
-        if not isinstance(p.type, TensorType):
-            raise TypeError(f"{where}[{i}] ({param_label(p, i)}) is not a tensor")
-        if p.type.dtype not in _FLOAT_DTYPES:
-            raise TypeError(
-                f"{where}[{i}] ({param_label(p, i)}) has dtype {p.type.dtype}; "
-                "only float16/float32/float64 parameters can be trained "
-                "(an integer parameter has no gradient)"
-            )
-        if id(p) in seen:
-            raise ValueError(
-                f"{where}[{i}] ({param_label(p, i)}) is the same variable as "
-                f"{where}[{seen[id(p)]}]; pass each parameter once"
-            )
-        seen[id(p)] = i
-    return params
 
 
 def _check_grad(grad, param, i):
@@ -450,7 +244,8 @@ def hyperparameter(
         to it so that a float32 model stays float32.
     low, high : float, optional
         Allowed range for a number (inclusive; `high` exclusive when
-        `high_open`). Symbolic values cannot be checked at build time.
+        `high_open`), checked by :func:`~lasagne_accum._checks.check_number`.
+        Symbolic values cannot be checked at build time.
 
     Raises
     ------
@@ -459,19 +254,10 @@ def hyperparameter(
     ValueError
         If a number is not finite or lies outside the allowed range.
     """
-    if isinstance(value, bool):
+    if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a number or a symbolic scalar, got a bool")
-    if isinstance(value, (numbers.Real, np.number)) or (
-        isinstance(value, np.ndarray) and value.ndim == 0
-    ):
-        number = float(value)
-        if not np.isfinite(number):
-            raise ValueError(f"{name} must be finite, got {number}")
-        if low is not None and number < low:
-            raise ValueError(f"{name} must be >= {low}, got {number}")
-        if high is not None and (number > high or (high_open and number == high)):
-            bound = "<" if high_open else "<="
-            raise ValueError(f"{name} must be {bound} {high}, got {number}")
+    if is_number(value):
+        number = check_number(value, name, low=low, high=high, high_open=high_open)
         return pt.constant(np.asarray(number, dtype=dtype), name=name)
     if isinstance(value, pytensor.graph.basic.Variable):
         if getattr(value.type, "ndim", None) != 0:
@@ -484,6 +270,3 @@ def hyperparameter(
     )
 
 
-def check_every(every: int, name: str = "average") -> int:
-    """Return `every` as an int >= 1, or raise naming `name` (see :func:`check_int`)."""
-    return check_int(every, name, low=1)

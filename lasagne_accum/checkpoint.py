@@ -8,7 +8,9 @@ atomically, so a crash mid-save leaves the old checkpoint whole.
 
 The file is a zip archive of ``.npy`` members (what :func:`numpy.load`
 reads), one per variable, plus a small JSON manifest that maps each name to
-its member, so any name round-trips. :func:`load_state` checks every name,
+its member, so any name round-trips, and holds the loop state you pass as
+``metadata`` (epoch, position, the data RNG's state): :func:`load_state`
+returns it. :func:`load_state` checks every name,
 dtype and shape from the members' ``.npy`` headers before it reads any
 data, so a file that does not fit the model costs no memory.
 """
@@ -29,7 +31,8 @@ import numpy as np
 from numpy.lib import format as npy_format
 from pytensor.compile.sharedvalue import SharedVariable
 
-from .grads import as_host_array
+from ._graph import as_host_array
+from .accumulate import Accumulation
 
 if TYPE_CHECKING:
     from ._typing import PathLike
@@ -55,7 +58,7 @@ def _walk(obj, out, seen):
         _walk([obj.accumulation, obj.apply_updates], out, seen)
     elif hasattr(obj, "updates") and isinstance(getattr(obj, "updates"), Mapping):
         _walk(obj.updates, out, seen)  # ModelAverage, ExponentialMovingAverage
-    elif isinstance(obj, (list, tuple)):  # includes Accumulation
+    elif isinstance(obj, (list, tuple, Accumulation)):   # an Accumulation: its two dicts
         for item in obj:
             _walk(item, out, seen)
     else:
@@ -181,9 +184,53 @@ def _members(names):
     return out
 
 
-def _write_zip(fh, arrays):
+#: The largest metadata a checkpoint holds, as JSON text.
+MAX_METADATA_BYTES = 1 << 20
+
+
+def _json_or_raise(value, what):
+    """`value` as JSON text: a dict with string keys, JSON values, finite numbers."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{what} must be a dict, got {type(value).__name__}")
+
+    def check(obj, where):
+        if isinstance(obj, Mapping):
+            for k, v in obj.items():
+                if not isinstance(k, str):
+                    raise TypeError(f"{what}{where}: key {k!r} is not a string (JSON keys are "
+                                    "strings; it would not come back as it went in)")
+                check(v, f"{where}[{k!r}]")
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                check(v, f"{where}[{i}]")
+        elif isinstance(obj, float):
+            if obj != obj or obj in (float("inf"), float("-inf")):
+                raise ValueError(f"{what}{where} is {obj}, which JSON cannot hold")
+        elif obj is not None and not isinstance(obj, (str, bool, int)):
+            hint = (" (convert numpy numbers with int() or float(), arrays with .tolist())"
+                    if isinstance(obj, (np.generic, np.ndarray)) else "")
+            raise TypeError(f"{what}{where} is a {type(obj).__name__}, which JSON cannot "
+                            f"hold{hint}")
+
+    check(value, "")
+    text = json.dumps(dict(value))
+    if len(text.encode("utf-8")) > MAX_METADATA_BYTES:
+        raise ValueError(f"{what} takes {len(text.encode('utf-8'))} bytes as JSON, more than "
+                         f"the {MAX_METADATA_BYTES} a checkpoint holds; keep large data in "
+                         "shared variables (they are saved as arrays)")
+    return dict(value)
+
+
+def _write_zip(fh, arrays, metadata=None, library=None):
     members = _members(list(arrays))
-    manifest = dict(format=FORMAT_VERSION, names=[[n, m] for n, m in members.items()])
+    manifest: dict[str, Any] = dict(format=FORMAT_VERSION,
+                                    names=[[n, m] for n, m in members.items()])
+    if metadata is not None:
+        manifest["metadata"] = metadata
+    if library:
+        manifest["lasagne_accum"] = library
     with zipfile.ZipFile(fh, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
         text = np.frombuffer(json.dumps(manifest).encode("utf-8"), np.uint8)
         with zf.open(_MARKER, "w", force_zip64=True) as out:
@@ -193,7 +240,9 @@ def _write_zip(fh, arrays):
                 npy_format.write_array(out, np.asanyarray(value), allow_pickle=False)
 
 
-def save_arrays(path: PathLike, arrays: Mapping[str, np.ndarray]) -> list[str]:
+def save_arrays(path: PathLike, arrays: Mapping[str, np.ndarray], *,
+                metadata: Mapping[str, Any] | None = None,
+                library: Mapping[str, Any] | None = None) -> list[str]:
     """Write ``{name: array}`` to a checkpoint file, atomically (see :func:`save_state`).
 
     Parameters
@@ -202,6 +251,11 @@ def save_arrays(path: PathLike, arrays: Mapping[str, np.ndarray]) -> list[str]:
     arrays : dict
         ``{name: numpy array}``; any string is a valid name. Object arrays
         are refused (the file never holds pickles).
+    metadata : dict, optional
+        JSON-serialisable loop state, returned by :func:`load_state`.
+    library : dict, optional
+        The library's own counters (a trainer's steps), kept apart from
+        `metadata`.
 
     Returns
     -------
@@ -219,13 +273,15 @@ def save_arrays(path: PathLike, arrays: Mapping[str, np.ndarray]) -> list[str]:
             raise TypeError(f"checkpoint names must be strings, got {name!r}")
         if np.asarray(value).dtype.hasobject:
             raise TypeError(f"{name}: dtype object cannot be saved without pickle")
+    metadata = _json_or_raise(metadata, "metadata")
+    library = _json_or_raise(library, "library")
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     _clean_stale_temps(path)
     fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=".npz", dir=directory)
     try:
         with os.fdopen(fd, "wb") as fh:
-            _write_zip(fh, arrays)
+            _write_zip(fh, arrays, metadata, library)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -236,7 +292,8 @@ def save_arrays(path: PathLike, arrays: Mapping[str, np.ndarray]) -> list[str]:
     return list(arrays)
 
 
-def save_state(path: PathLike, *objects: Any) -> list[str]:
+def save_state(path: PathLike, *objects: Any, metadata: Mapping[str, Any] | None = None
+               ) -> list[str]:
     """Write all state the objects touch to one ``.npz`` file, atomically.
 
     Parameters
@@ -245,11 +302,25 @@ def save_state(path: PathLike, *objects: Any) -> list[str]:
         The checkpoint file; ``.npz`` is not appended.
     *objects
         What to save: see :func:`collect_state`.
+    metadata : dict, optional
+        Loop state to keep with the arrays (epoch, position in the epoch, the
+        data RNG's state): a dict with string keys and JSON values (str,
+        int, float, bool, None, lists and dicts of them), at most
+        :data:`MAX_METADATA_BYTES` as JSON. :func:`load_state` returns it
+        (tuples come back as lists).
 
     Returns
     -------
     list of str
         The names written.
+
+    Raises
+    ------
+    TypeError
+        `metadata` is not a dict, has a key that is not a string or a value
+        JSON cannot hold (a numpy number, an array): the message names it.
+    ValueError
+        `metadata` holds NaN or infinity, or is too large.
 
     Warns
     -----
@@ -272,12 +343,18 @@ def save_state(path: PathLike, *objects: Any) -> list[str]:
     >>> from lasagne_accum import sgd
     >>> w = pytensor.shared(np.arange(3.0), name="w")
     >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.npz")
-    >>> save_state(path, sgd((w ** 2).sum(), [w], 0.1))
+    >>> save_state(path, sgd((w ** 2).sum(), [w], 0.1), metadata={"epoch": 3})
     ['w']
     >>> w.set_value(np.zeros(3)); load_state(path, [w]); w.get_value()
-    ['w']
+    {'epoch': 3}
     array([0., 1., 2.])
     """
+    return write_state(path, objects, metadata)
+
+
+def write_state(path: PathLike, objects: Any, metadata: Mapping[str, Any] | None = None,
+                library: Mapping[str, Any] | None = None) -> list[str]:
+    """:func:`save_state`, with the library's own counters (`library`) beside `metadata`."""
     named, made_up = _collect(objects)
     if not named:
         raise ValueError("save_state(): nothing to save")
@@ -287,7 +364,8 @@ def save_state(path: PathLike, *objects: Any) -> list[str]:
             f"under order-dependent keys ({', '.join(made_up)}); load_state() refuses "
             "them. Give every shared variable a unique name.", UserWarning, stacklevel=2)
     return save_arrays(path, OrderedDict((n, as_host_array(v.get_value(borrow=True)))
-                                         for n, v in named.items()))
+                                         for n, v in named.items()),
+                       metadata=metadata, library=library)
 
 
 # ------------------------------------------------------------------ reading
@@ -298,7 +376,11 @@ def _not_readable(path, why):
 
 
 def _index(zf, path):
-    """``{name: member}`` of an open checkpoint; refuses foreign files and unknown versions."""
+    """``({name: member}, extras)`` of an open checkpoint; refuses foreign files and unknown versions.
+
+    `extras`: the manifest's ``metadata`` and ``lasagne_accum`` entries (None
+    where absent).
+    """
     files = zf.namelist()
     if _MARKER not in files:
         raise ValueError(f"{path} is not a lasagne_accum checkpoint (no format marker)")
@@ -312,15 +394,19 @@ def _index(zf, path):
             raise ValueError(f"{path} is a lasagne_accum checkpoint of format version "
                              f"{int(marker)}; this version reads formats 1 and "
                              f"{FORMAT_VERSION}: upgrade lasagne_accum to read it")
-        return OrderedDict((f[:-4], f) for f in files if f.endswith(".npy") and f != _MARKER)
+        return (OrderedDict((f[:-4], f) for f in files if f.endswith(".npy") and f != _MARKER),
+                {"metadata": None, "lasagne_accum": None})
     if marker.dtype != np.uint8 or marker.ndim != 1:
         raise _not_readable(path, "bad format marker")
     try:
         manifest = json.loads(marker.tobytes().decode("utf-8"))
         version = manifest["format"]
         pairs = manifest.get("names")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        extras = {key: manifest.get(key) for key in ("metadata", "lasagne_accum")}
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
         raise _not_readable(path, f"bad manifest ({exc})") from None
+    if not all(v is None or isinstance(v, dict) for v in extras.values()):
+        raise _not_readable(path, "bad manifest (metadata)")
     if version != FORMAT_VERSION:
         raise ValueError(f"{path} is a lasagne_accum checkpoint of format version "
                          f"{version!r}; this version reads formats 1 and {FORMAT_VERSION}: "
@@ -337,7 +423,7 @@ def _index(zf, path):
         if member not in files or member == _MARKER:
             raise _not_readable(path, f"member {member!r} of {name!r} is missing")
         index[name] = member
-    return index
+    return index, extras
 
 
 def _header(fh, member, path):
@@ -417,6 +503,11 @@ def read_arrays(
         unknown, or names, dtypes or shapes do not match (every problem is
         listed; nothing is read then).
     """
+    return _read(path, expected, strict=strict, optional=optional, max_bytes=max_bytes)[0]
+
+
+def _read(path, expected, *, strict=True, optional=(), max_bytes=1 << 26):
+    """:func:`read_arrays`' arrays, and the manifest's extras (see :func:`_index`)."""
     path = os.fspath(path)
     try:
         zf = zipfile.ZipFile(path)
@@ -425,7 +516,7 @@ def read_arrays(
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
         raise _not_readable(path, exc) from None
     with zf:
-        index = _index(zf, path)
+        index, extras = _index(zf, path)
         problems = []
         if strict:
             missing = [n for n in expected if n not in index and n not in optional]
@@ -466,10 +557,10 @@ def read_arrays(
                     out[name] = _read_member(fh, index[name], path, expected[name])
             except (zipfile.BadZipFile, OSError, EOFError) as exc:
                 raise _not_readable(path, f"{name}: {exc}") from None
-        return out
+        return out, extras
 
 
-def load_state(path: PathLike, *objects: Any, strict: bool = True) -> list[str]:
+def load_state(path: PathLike, *objects: Any, strict: bool = True) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_state` into the same variables.
 
     Parameters
@@ -488,8 +579,8 @@ def load_state(path: PathLike, *objects: Any, strict: bool = True) -> list[str]:
 
     Returns
     -------
-    list of str
-        The names loaded.
+    dict
+        The `metadata` given to :func:`save_state` (``{}`` if none).
 
     Raises
     ------
@@ -507,6 +598,12 @@ def load_state(path: PathLike, *objects: Any, strict: bool = True) -> list[str]:
     All checks run before the first value is set, so a failed load leaves
     the model as it was.
     """
+    return read_state(path, objects, strict=strict)[0]
+
+
+def read_state(path: PathLike, objects: Any, strict: bool = True
+               ) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """:func:`load_state`: ``(metadata, the library's counters, the names loaded)``."""
     named, made_up = _collect(objects)
     if made_up:
         raise ValueError(
@@ -521,10 +618,10 @@ def load_state(path: PathLike, *objects: Any, strict: bool = True) -> list[str]:
     # (the single-function form's `<name>.zeroed`: False, the buffers are reset)
     defaults = {name: var.tag.checkpoint_default for name, var in named.items()
                 if hasattr(var.tag, "checkpoint_default")}
-    arrays = read_arrays(path, expected, strict=strict, optional=defaults)
+    arrays, extras = _read(path, expected, strict=strict, optional=defaults)
     for name, default in defaults.items():
         if name not in arrays:
             named[name].set_value(np.asarray(default, dtype=expected[name][1]))
     for name, value in arrays.items():
         named[name].set_value(value)
-    return list(arrays)
+    return extras["metadata"] or {}, extras["lasagne_accum"] or {}, list(arrays)

@@ -1,4 +1,4 @@
-"""Precompiled headers (``lasagne_accum.compiling``) change how fast g++ compiles, not what.
+"""``tools/fastcompile.py`` changes how fast g++ compiles PyTensor's modules, not what.
 
 The reference is g++ itself: the same module compiled by PyTensor's own
 compile function without the header. The object code must match instruction
@@ -23,8 +23,10 @@ from pytensor.graph.rewriting.utils import rewrite_graph
 from pytensor.link.c.basic import CLinker
 from pytensor.link.c.cmodule import GCC_compiler
 
-from lasagne_accum import compiling
-from lasagne_accum.training import use_parallel_compile, use_precompiled_headers
+TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+sys.path.insert(0, TOOLS)
+import fastcompile as compiling  # noqa: E402
+from fastcompile import use_parallel_compile, use_precompiled_headers  # noqa: E402
 
 HAVE_GXX = bool(compiling._gxx_version())
 needs_gxx = pytest.mark.skipif(not HAVE_GXX, reason="PyTensor's C++ compiler is not g++")
@@ -169,8 +171,9 @@ def test_only_gxx(tmp_path, monkeypatch):
 _SCRIPT = textwrap.dedent("""
     import json, os, sys
     import numpy as np, pytensor, pytensor.tensor as pt
-    from lasagne_accum import compiling
-    from lasagne_accum.training import use_parallel_compile, use_precompiled_headers
+    sys.path.insert(0, {tools!r})
+    import fastcompile as compiling
+    from fastcompile import use_parallel_compile, use_precompiled_headers
 
     corrupt = sys.argv[1] == "corrupt"
     on = use_precompiled_headers()
@@ -192,7 +195,7 @@ _SCRIPT = textwrap.dedent("""
     print(json.dumps({"on": on, "counts": compiling.counts, "errors": errors,
                       "headers": headers,
                       "fresh": [compiling.fresh(p) for p in headers]}))
-""")
+""").replace("{tools!r}", repr(TOOLS))
 
 
 def _run_script(script, compiledir, *argv):
@@ -264,8 +267,9 @@ def test_parallel_compile_bad_input_and_turning_it_off():
 _PARALLEL_SCRIPT = textwrap.dedent("""
     import glob, json, os, sys, threading
     import numpy as np, pytensor, pytensor.tensor as pt
-    from lasagne_accum import compiling
-    from lasagne_accum.training import use_parallel_compile, use_precompiled_headers
+    sys.path.insert(0, {tools!r})
+    import fastcompile as compiling
+    from fastcompile import use_parallel_compile, use_precompiled_headers
 
     jobs, pch, case = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]
     def left():   # directories a job compiled into that hold no module of PyTensor's cache
@@ -371,7 +375,7 @@ _PARALLEL_SCRIPT = textwrap.dedent("""
     errors = [float(np.max(np.abs(np.asarray(o) - r))) for o, r in zip(f(X, W), refs)]
     print(json.dumps({"counts": compiling.counts, "errors": errors,
                       "pending": len(compiling._pending), "left": left(), **seen}))
-""")
+""").replace("{tools!r}", repr(TOOLS))
 
 
 def _run_parallel(tmp_path, compiledir, *argv):

@@ -1,0 +1,106 @@
+"""Compilation modes: :func:`mode`, the one opt-in to the library's fast paths.
+
+Importing lasagne_accum changes nothing in PyTensor. The library's graph
+rewrites and backend fixes are included by name, in the functions compiled
+with the Mode that :func:`mode` returns (as PyMC includes its own rewrites
+in the functions it compiles):
+
+* C and Numba: the single-function form's step runs on stepping calls only,
+  in place (:class:`~lasagne_accum._pytensor.lazy_step.LazyStep`); a
+  window's lazy buffer reset is folded into the in-place ``Gemm``; float32
+  constants are written exactly into the generated C code;
+* Numba: ``acc + dot(a, b)`` is one in-place BLAS ``gemm``, as in C;
+* JAX and PyTorch: fixes to how PyTensor converts some ops (float32 models
+  stay float32 under JAX; ``**``, ``%`` and ``==`` work under PyTorch).
+
+:func:`lasagne_accum.compile_accumulation`, the examples, the benchmarks and
+the parameter server compile with it. Plain ``pytensor.function`` gives the
+same numbers on C and Numba, only slower; the backends page of the docs says
+what differs on PyTensor's own JAX and PyTorch backends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["mode", "default_modes", "blas_available"]
+
+
+def mode(base: Any = "CVM") -> Any:
+    """A PyTensor Mode: `base` with lasagne_accum's rewrites and backend fixes.
+
+    Parameters
+    ----------
+    base : str, pytensor Mode or None
+        A predefined mode's name (``"CVM"``, ``"C"``, ``"NUMBA"``, ``"JAX"``,
+        ``"PYTORCH"``, ``"FAST_RUN"``, ...), a Mode of your own, whose
+        rewrites are kept, or None for PyTensor's default mode
+        (``pytensor.config.mode``).
+
+    Returns
+    -------
+    pytensor.compile.mode.Mode
+        For ``pytensor.function(..., mode=...)``. Outside the PyTensor
+        releases the library is tested with, PyTensor's own `base` (with one
+        warning): the same numbers, without the fast paths.
+
+    Raises
+    ------
+    TypeError
+        If `base` is neither a mode name nor a Mode.
+    ValueError
+        If `base` names no PyTensor mode.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor, pytensor.tensor as pt
+    >>> import lasagne_accum as la
+    >>> w = pytensor.shared(np.zeros(2), name="w")
+    >>> g = pt.vector("g")
+    >>> f = pytensor.function([g], [], updates=la.sgd([g], [w], 1.0, average=2),
+    ...                       mode=la.mode("CVM"))
+    >>> _ = f(np.ones(2)); w.get_value()          # no step on the first call
+    array([0., 0.])
+    >>> _ = f(np.full(2, 3.0)); w.get_value()     # the mean gradient, 2
+    array([-2., -2.])
+    """
+    from ._pytensor.modes import build
+
+    if base is not None and not isinstance(base, str) and not hasattr(base, "linker"):
+        raise TypeError(f"mode(): base must be a mode name, a pytensor Mode or None, "
+                        f"got {base!r}")
+    try:
+        return build(base)
+    except (KeyError, ValueError):
+        if isinstance(base, str):
+            raise ValueError(f"mode(): {base!r} is not a PyTensor mode (try 'CVM', 'NUMBA', "
+                             "'JAX' or 'PYTORCH')") from None
+        raise
+
+
+def blas_available() -> bool:
+    """True when PyTensor's C backend links to a BLAS library."""
+    import pytensor
+
+    return bool(pytensor.config.blas__ldflags)
+
+
+def default_modes() -> tuple[str, str]:
+    """The base modes :func:`~lasagne_accum.compile_accumulation` uses when none is given.
+
+    Returns
+    -------
+    (accumulate_mode, apply_mode) : tuple of str
+        ``("CVM", "NUMBA")`` when PyTensor's C backend links to a BLAS
+        library, else ``("NUMBA", "NUMBA")``; compiled through :func:`mode`.
+
+    Notes
+    -----
+    The C backend with BLAS fuses the accumulation ``accu + grad`` into the
+    gradient's matrix product (``Gemm`` in place), which makes the accumulate
+    step cheaper than in PyTensor 3's default Numba backend; Numba's fused
+    elementwise loops make the rule's apply step several times faster than
+    C's (``benchmarks/backends.py``). Each function gets the backend that is
+    fastest for it.
+    """
+    return ("CVM" if blas_available() else "NUMBA"), "NUMBA"
