@@ -38,7 +38,7 @@ from pytensor.compile import mode as _pt_mode
 #: in Python, while unfused elementwise ops are single numpy calls.
 CHEAP_MODE = _pt_mode.Mode(linker="py", optimizer="fast_run").excluding("fusion")
 _SWAPPED = ("CVM", "C", "NUMBA", "FAST_COMPILE")
-_REAL_MODULES = ("test_backends.py", "test_fast_paths.py")
+_REAL_MODULES = ("test_backends.py", "test_fast_paths.py", "backends.rst")
 #: Tests compiled for real, as ``fnmatch`` patterns of the test's name with its
 #: parameters. The first calls one small function a million times: Python
 #: ``perform`` costs more per call than compiling once.

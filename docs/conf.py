@@ -1,4 +1,4 @@
-"""Sphinx configuration: the API reference built from the numpydoc docstrings.
+"""Sphinx configuration: the user guide (the .rst pages here) and the API reference.
 
 ``bash scripts/build-docs.sh`` builds it (warnings are errors). The API page
 is generated from each public module's ``__all__`` at build time, so every
@@ -40,6 +40,7 @@ PUBLIC = [
     ("lasagne_accum", "Top level"),
     ("lasagne_accum.updates", "Update rules (lasagne_accum.updates)"),
     ("lasagne_accum.training", "Training helpers (lasagne_accum.training)"),
+    ("lasagne_accum.checkpoint", "Checkpoints (lasagne_accum.checkpoint)"),
     ("lasagne_accum.distributed", "Parameter server (lasagne_accum.distributed)"),
 ]
 OPTIONAL = ["lasagne_accum.schedules"]   # documented when the module exists

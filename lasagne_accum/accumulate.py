@@ -198,7 +198,7 @@ class AccumulateUpdates(OrderedDict):
         The number of batches accumulated in the current window.
     accumulation : Accumulation
         The object this dictionary belongs to.
-    is_step, guard
+    total, skipped, norm, is_step, guard
         As on :class:`Accumulation`.
     """
 
@@ -211,6 +211,18 @@ class AccumulateUpdates(OrderedDict):
     @property
     def count(self) -> SharedVariable:
         return self.accumulation.count
+
+    @property
+    def total(self) -> SharedVariable:
+        return self.accumulation.total
+
+    @property
+    def skipped(self) -> SharedVariable | None:
+        return self.accumulation.skipped
+
+    @property
+    def norm(self) -> TensorVariable | None:
+        return self.accumulation.norm
 
     @property
     def is_step(self) -> TensorVariable:

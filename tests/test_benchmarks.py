@@ -26,12 +26,15 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
-SCRIPTS = sorted(f for f in os.listdir(BENCH) if f.endswith(".py") and f != "common.py")
+# the benchmarks; performance_page.py runs them to write docs/performance.rst
+SCRIPTS = sorted(f for f in os.listdir(BENCH)
+                 if f.endswith(".py") and f not in ("common.py", "performance_page.py"))
 
 # a line of each script's table, and which of its numbers must be positive
 TABLE_ROW = {
     "accumulation.py": r"^ ?1 accumulate / fastest fwd-bwd\s+([\d.]+)",
     "backends.py": r"^numba\s+float32\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)",
+    "cold_start.py": r"^\s+1\s+fastcompile\s+([\d.]+)\s+([\d.]+)",
     "distributed.py": r"\|\s*([\d.]+)\s*\|",
     "inplace.py": r"^NUMBA\s+float32\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)",
     "peers.py": r"^\s+1\s+([\d.]+)\s+([\d.]+)",
@@ -176,3 +179,23 @@ def test_benchmark_help_shows_its_summary(script):
     proc = run_script(script, "--help", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert " ".join(summary.split()[:6]) in " ".join(proc.stdout.split())
+
+
+def test_performance_page_topics_name_existing_scripts(tmp_path, monkeypatch):
+    """Every topic of docs/performance.rst is a benchmark script here, and the page is
+    rendered from the stored runs: each run's output kept verbatim, dated, with its
+    commit and command; a topic never run says so."""
+    spec = importlib.util.spec_from_file_location("performance_page",
+                                                  os.path.join(BENCH, "performance_page.py"))
+    page = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(page)
+    for topic, (_, _, command) in page.TOPICS.items():
+        assert command[0].startswith("benchmarks/") and command[0][len("benchmarks/"):] in (
+            SCRIPTS + ["gpu.py"]), topic   # gpu.py arrives with the device work
+    monkeypatch.setattr(page, "PAGE", str(tmp_path / "performance.rst"))
+    record = {"date": "2026-01-02", "commit": "abc1234", "dirty": True, "machine": "m",
+              "command": "python benchmarks/inplace.py", "output": "a table\n\n  row 1.5"}
+    text = open(page.render({"inplace": record})).read()
+    assert "Measured on 2026-01-02 at commit ``abc1234 with local changes`` on m" in text
+    assert "    a table\n\n      row 1.5" in text
+    assert text.count("Not measured yet.") == len(page.TOPICS) - 1

@@ -1,0 +1,157 @@
+#!/usr/bin/env python
+"""Write docs/performance.rst from the benchmark scripts' own output.
+
+Each topic of the page is one benchmark script run with its usual arguments;
+its output is kept as printed (a ratio table measured side by side in one run,
+with the load average), dated, with the commit, the machine and the exact
+command that reproduces it. The runs are kept in
+``docs/_static/performance.json`` so that one topic can be measured again
+without the others (``--only``); the page is rewritten from that file every
+time. Nothing on the page is typed by hand.
+
+    python benchmarks/performance_page.py                  # every topic (about an hour)
+    python benchmarks/performance_page.py --only cold_start single_function
+    python benchmarks/performance_page.py --render         # rewrite the page from the file
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+STORE = os.path.join(ROOT, "docs", "_static", "performance.json")
+PAGE = os.path.join(ROOT, "docs", "performance.rst")
+
+#: topic -> (title, what it answers, the command, relative to the repository)
+TOPICS = {
+    "cold_start": (
+        "Cold start",
+        "How long the demo takes on an empty compile cache, with the compile-speed tool "
+        "(``tools/fastcompile.py``: precompiled headers, parallel compiles) and without.",
+        ["benchmarks/cold_start.py"]),
+    "single_function": (
+        "The single-function form and its fast paths",
+        "What a call of ``average=N`` costs against the two-function form's accumulate step, "
+        "and what each fast path of ``lasagne_accum.mode()`` saves (``ifelse``: without the "
+        "lazy step; ``select``: without the reset folded into ``Gemm``; ``switch``: "
+        "``lazy=False``).",
+        ["benchmarks/single_function.py", "--modes", "CVM", "NUMBA", "--processes", "3"]),
+    "inplace": (
+        "The accumulate step against a forward-backward call",
+        "Whether the accumulate step adds the gradient into its buffer in place, at no more "
+        "than the cost of computing the gradient.",
+        ["benchmarks/inplace.py"]),
+    "backends": (
+        "Backends",
+        "Milliseconds per call of the forward-backward, accumulate and apply steps on each "
+        "installed backend (the reason for ``default_modes()``).",
+        ["benchmarks/backends.py", "--threads", "1"]),
+    "accumulation": (
+        "Accumulation's costs",
+        "The accumulate and apply steps against plain training, and the memory of the "
+        "buffers.",
+        ["benchmarks/accumulation.py"]),
+    "peers": (
+        "Against PyTorch and optax",
+        "The same accumulation in PyTorch (a hand-written loop) and optax (``MultiSteps``).",
+        ["benchmarks/peers.py"]),
+    "distributed": (
+        "The parameter server",
+        "The parameter server beside torch.distributed, and where a push's time goes.",
+        ["benchmarks/distributed.py"]),
+    "gpu": (
+        "Large batches on a device",
+        "Time per window and peak device memory at an effective batch of 4096, beside "
+        "optax's MultiSteps and a PyTorch loop.",
+        ["benchmarks/gpu.py"]),
+}
+
+
+def _git(*args):
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine():
+    """One line naming the machine the benchmark ran on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+        if names:
+            cpu = names[0]
+    except OSError:
+        pass
+    return (f"{cpu}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, "
+            f"Python {platform.python_version()}")
+
+
+def run(topic):
+    """Run one topic's benchmark; its record for the store."""
+    _, _, command = TOPICS[topic]
+    if not os.path.exists(os.path.join(ROOT, command[0])):
+        raise SystemExit(f"{topic}: {command[0]} does not exist")
+    print(f"running {' '.join(command)} ...", flush=True)
+    done = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{topic}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
+    return {"date": datetime.date.today().isoformat(), "commit": _git("rev-parse", "--short",
+                                                                        "HEAD"),
+            "dirty": dirty, "machine": machine(), "command": "python " + " ".join(command),
+            "output": done.stdout.rstrip("\n")}
+
+
+def render(store):
+    lines = ["Performance", "===========", "",
+             "Every table on this page is a benchmark script's own output, kept as it "
+             "printed, with the date, the commit and the machine it ran on and the command "
+             "that reproduces it (``python benchmarks/performance_page.py`` rewrote this page "
+             "from ``docs/_static/performance.json``). The scripts measure ratios side by "
+             "side in one run, interleaved, and print the load average: on a shared machine "
+             "compare the ratios, not the absolute times.", ""]
+    for topic, (title, what, _) in TOPICS.items():
+        lines += [title, "-" * len(title), "", what, ""]
+        record = store.get(topic)
+        if record is None:
+            lines += ["Not measured yet.", ""]
+            continue
+        commit = record["commit"] + (" with local changes" if record.get("dirty") else "")
+        lines += [f"Measured on {record['date']} at commit ``{commit}`` on {record['machine']}"
+                  f"; reproduce with ``{record['command']}``.", "", "::", ""]
+        lines += ["    " + ln if ln.strip() else "" for ln in record["output"].splitlines()]
+        lines += [""]
+    text = "\n".join(lines)
+    with open(PAGE, "w") as f:
+        f.write(text)
+    return PAGE
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", nargs="+", choices=list(TOPICS), default=None,
+                   help="measure these topics again, keep the others")
+    p.add_argument("--render", action="store_true", help="only rewrite the page")
+    args = p.parse_args(argv)
+    store = {}
+    if os.path.exists(STORE):
+        with open(STORE) as f:
+            store = json.load(f)
+    if not args.render:
+        for topic in args.only or list(TOPICS):
+            store[topic] = run(topic)
+            with open(STORE, "w") as f:
+                json.dump(store, f, indent=1, sort_keys=True)
+    print(f"wrote {render(store)}")
+
+
+if __name__ == "__main__":
+    main()
