@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The accumulate step against a forward-backward call, in Numba and C (issue 13, item 1).
+"""The accumulate step against a forward-backward call, in Numba and C.
 
 For each mode (``NUMBA``: PyTensor 3's default, ``CVM``: C with BLAS; each
 compiled through ``lasagne_accum.mode``) and dtype, on ``common.mlp``
@@ -23,8 +23,8 @@ One process per configuration, because sharing one process skews the ratio
 against ``acc``: the other configurations' calls between two accumulate calls
 evict the accumulator from the cache (an accumulate must read it; ``fb``
 writes a fresh output), and after a C call the system OpenBLAS's threads keep
-spinning beside the next Numba call's (scipy's OpenBLAS). In one shared
-process CVM float32 measured acc/fb 1.02 where alone it measures 0.92.
+spinning beside the next Numba call's (scipy's OpenBLAS): both move the ratio
+by several per cent.
 
     python benchmarks/inplace.py            # about 2 minutes once compiled
     python benchmarks/inplace.py --quick

@@ -66,10 +66,9 @@ def two_function(mode, dtype):
 def build(mode, dtype, every, rng):
     """Compile every unit, in a random order.
 
-    The order matters: with the baseline built first and its twin second, the
-    twin ran at 0.935-0.977 of the baseline in four processes; built the
-    other way round, at 1.034-1.046 (C, float32). A fixed order would favour
-    whatever is built late, the variants included.
+    The order matters: where a unit's buffers land depends on what was built
+    before it, and that moves its calls' times by a few per cent. A fixed
+    order would favour whatever is built late, the variants included.
     """
     ours = la_mode(mode)
     plain = ours.excluding("lasagne_accum_lazy_step")

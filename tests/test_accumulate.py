@@ -110,8 +110,8 @@ def check_float32_against_float64_step(s, rule, batches, what):
     Two float32 runs that sum the same gradient in different orders differ by
     its rounding, and where the terms of a gradient element cancel, a rule
     like Adagrad (step ~ lr * g / sqrt(eps) for small g) multiplies that by
-    lr / sqrt(eps), 100 here (was: a flaky 1e-5 comparison of the two float32
-    runs). So each run is compared to the exact (float64) step, with a
+    lr / sqrt(eps), 100 here: comparing the two float32 runs with each other
+    would be flaky. So each run is compared to the exact (float64) step, with a
     per-element slack that is the step's change under the gradient's float32
     error bound.
     """
@@ -356,7 +356,7 @@ def test_guard_makes_empty_apply_a_noop():
 
 
 def test_unguarded_empty_apply_changes_nothing():
-    """Was: 0 / 0 on an empty window turned W NaN. A rule given accu.grads is guarded."""
+    """0 / 0 on an empty window must not turn W NaN: a rule given accu.grads is guarded."""
     m = Model()
     acc = accumulate_gradients(m.loss, m.params, weight=m.X.shape[0])
     upd = L.sgd(acc.grads, m.params, learning_rate=0.1)
@@ -568,11 +568,11 @@ def test_equivalence_under_cvm(rule):
         assert_buffers_zero(s["acc"])
 
 
-# ------------------------------------------- 16. safe by default (issue 11)
+# ------------------------------------------- 16. safe by default
 
 
 def test_readme_two_function_recipe_is_safe_on_an_empty_window():
-    """The README's recipe, unguarded: an empty window changes nothing (was: NaN for good)."""
+    """The two-function recipe, unguarded: an empty window changes nothing (no NaN)."""
     m = Model()
     x, y = m.X, m.Y
     loss, params = m.loss, m.params
@@ -614,7 +614,7 @@ def test_empty_window_grads_are_zero_not_nan():
 
 
 def test_skip_nonfinite_checks_what_enters_the_buffer():
-    """float32 3e38 is finite; times weight 10 it is inf: skipped, not buffered (was: inf)."""
+    """float32 3e38 is finite; times weight 10 it is inf: skipped, not buffered."""
     w = pytensor.shared(np.zeros(2, dtype="float32"), name="w")
     g = pt.vector("g", dtype="float32")
     acc = accumulate_gradients([g], [w], weight=10, skip_nonfinite=True)

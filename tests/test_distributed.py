@@ -532,7 +532,7 @@ def test_worker_model_must_match_server():
         Worker(server, "w", build_model)
 
 
-# ------------------------------------------------------------------ issue 11 items 14-17
+# ------------------------------------------------------------------ exactly once, rejected pushes
 
 
 def _two_shards(mode, **kw):

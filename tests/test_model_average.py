@@ -639,13 +639,13 @@ def test_host_mode_refuses_updates_and_step_needs_host_mode():
 
 
 # --------------------------------------------------------------------------
-# 8. the step signal is explicit (issue 12) and an empty flush is not a step (issue 11)
+# 8. the step signal is explicit and an empty flush is not a step
 # --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("how", ["original", "dict_copy", "explicit"])
 def test_copied_single_function_dict_still_averages_steps_only(how):
-    """Was: ModelAverage(updates=dict(upd)) lost .is_step and averaged every mini-batch."""
+    """ModelAverage(updates=dict(upd)) keeps the step signal: it averages optimizer steps."""
     rng = np.random.default_rng(8)
     params, x, loss = _quadratic(rng)
     upd = sgd(loss, params, 0.1, average=3)

@@ -443,7 +443,7 @@ def test_weight_zero_or_negative_is_refused_like_the_two_function_form(form):
 @pytest.mark.real_backend  # the C and Numba code paths (LazyStep, Gemm with beta = 0), compiled
 @pytest.mark.parametrize(("mode", "lazy"), [(None, False), ("CVM", False), ("CVM", True)])
 def test_buffer_does_not_carry_nan_into_the_next_window(mode, lazy):
-    """Was: the lazy reset 0 * NaN kept a NaN batch in the buffer for good.
+    """A NaN batch must not stay in the buffer (a lazy reset by 0 * NaN would keep it).
 
     lazy=True: the stepping call writes zeros into the buffers (LazyStep's
     fill). lazy=False: W's buffer is reset inside an in-place Gemm (beta = 0

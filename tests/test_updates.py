@@ -113,7 +113,7 @@ def problem(rng):
 def compare_all(by_name, ref_params, ref_state, dtype, step):
     for name, var in by_name.items():
         value = var.get_value()
-        # step counters are int64 whatever the model's dtype (issue 11)
+        # step counters are int64 whatever the model's dtype
         want = "int64" if name in SCALAR_STATE.values() else dtype
         assert value.dtype == np.dtype(want), (name, value.dtype)
         expected = ref_params[name] if name in ref_params else ref_state[name]
@@ -221,13 +221,13 @@ def test_float32_state_has_param_dtype_and_static_shape(rule):
             assert s.type.shape == p.type.shape, (s.name, s.type.shape)
             assert s.get_value().shape == p.get_value().shape
     for var, expr in upd.items():
-        # the step counter is int64 (issue 11); everything else float32
+        # the step counter is int64; everything else float32
         assert expr.type.dtype == ("int64" if var.name == SCALAR_STATE.get(rule) else "float32"), \
             (var.name, expr.type)
         assert expr.type.ndim == var.type.ndim
     if rule in SCALAR_STATE:
         t = by_name[SCALAR_STATE[rule]]
-        # an int64 step counter (a float32 one stops at 2**24, issue 11)
+        # an int64 step counter (a float32 one stops at 2**24)
         assert t.type.dtype == "int64" and t.type.shape == ()
 
 
@@ -256,7 +256,7 @@ def test_float32_model_compiles_to_float32_under_float64_floatx(problem):
     f = pytensor.function([x, y], [], updates=updates)
     outputs = f.maker.fgraph.outputs
     assert len(outputs) == len(updates)
-    # the step counter adam.t is int64 (issue 11); every other output float32
+    # the step counter adam.t is int64; every other output float32
     expected = ["int64" if v.name == "adam.t" else "float32" for v in updates]
     assert sorted(o.type.dtype for o in outputs) == sorted(expected)
     before = {v: v.get_value().copy() for v in updates}
@@ -286,7 +286,7 @@ def test_shared_learning_rate_changes_the_step_of_float32_model(problem):
     upd.update(U.adam([g], [W_adam], learning_rate=lr))
     upd.update(U.momentum([g], [W_mom], learning_rate=lr_in, momentum=0.5))
     f = pytensor.function([g, lr_in], [], updates=upd)
-    # float32 everywhere but the int64 step counter adam.t (issue 11)
+    # float32 everywhere but the int64 step counter adam.t
     assert sorted(o.type.dtype for o in f.maker.fgraph.outputs) == \
         ["float32"] * (len(upd) - 1) + ["int64"]
 
@@ -528,7 +528,7 @@ def test_constraints_reexported_from_updates():
     assert lasagne_accum.adam is U.adam
 
 
-# ------------------------------------------- 9. safe by default (issue 11)
+# ------------------------------------------- 9. safe by default
 
 
 @pytest.mark.parametrize("rule", ADAM_FAMILY)
@@ -557,7 +557,7 @@ def test_step_counter_is_int64_and_counts_past_2_to_the_24(rule):
 
 @pytest.mark.parametrize("rule", LOSS_RULES)
 def test_float16_params_train_without_nan_in_float32_arithmetic(rule):
-    """float16: state and arithmetic in float32, the result cast back (was: NaN for Adam)."""
+    """float16: state and arithmetic in float32, the result cast back."""
     # PyTensor's Numba backend has no float16 (NotImplementedError); C compiles it.
     w = pytensor.shared(np.array([1.0, -0.5, 0.25], dtype="float16"), name="w")
     g = pt.vector("g", dtype="float16")
