@@ -65,14 +65,14 @@ def build_trainer(model, args, steps_per_epoch):
                   max_average_window=max(1, steps_per_epoch))
 
     if args.accumulate > 1:
-        # Two functions: compile_accumulation builds the apply dictionary itself,
-        # so the average takes the parameters as they are before each step.
-        average = ModelAverage(params, **window) if args.model_average else None
+        # Two functions: compile_accumulation builds the average on its apply step
+        # (the parameters after each optimizer step) and hands it back.
         trainer = compile_accumulation(
             [x, y], model.loss, params, rule, hyper, every=args.accumulate,
-            weight=x.shape[0], extra_apply_updates=average.updates if average else None,
+            weight=x.shape[0], model_average=window if args.model_average else None,
             mode=args.mode,
         )
+        average = trainer.model_average
 
         def train_epoch(batches, desc):
             return run_epoch(trainer, batches, progress=not args.no_progress, desc=desc)

@@ -50,6 +50,9 @@ def main(argv=None):
             [x, model.y], model.loss, model.params, models.rule(args.optimizer),
             dict(learning_rate=args.lr), every=args.accumulate, weight=x.shape[0],
             mode=args.mode,
+            # JIT backends (Numba, JAX, PyTorch) compile on the first call: warm up here,
+            # so that the time printed for compiling is all of it
+            example=(X_train[:args.batch_size], y_train[:args.batch_size]),
         )
         evaluate = pytensor.function([x, model.y], [model.loss, model.accuracy],
                                      mode=lasagne_accum.mode(modes[0]))
