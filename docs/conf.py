@@ -33,6 +33,8 @@ numpydoc_class_members_toctree = False
 numpydoc_attributes_as_param_list = False
 exclude_patterns = ["_build"]
 html_theme = "alabaster"
+# code lines run to 100 characters: a page wide enough to show them without scrolling
+html_theme_options = {"page_width": "1240px", "body_max_width": "none", "sidebar_width": "220px"}
 nitpicky = False
 
 #: (module, title): the modules whose ``__all__`` is the public API.
