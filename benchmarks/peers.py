@@ -20,10 +20,9 @@ with 1 thread and once with 2 (thread variables and CPU affinity pinned); the
 processes are timed in interleaved rounds; a number is the median over rounds
 of the per-round median. Every call is timed alone too (no Python outside the
 calls is counted on any side), and the table's second part shows a window's
-accumulating calls and its last call apart. ``ours`` and ``ours-numba`` used to
-share one process: there the C backend's OpenBLAS threads, still spinning
-after a call, slowed the next Numba call (scipy's own OpenBLAS) up to 15x with
-2 threads.
+accumulating calls and its last call apart. ``ours`` and ``ours-numba`` run in
+processes of their own: in a shared one the C backend's OpenBLAS threads, still
+spinning after a call, slow the next Numba call (scipy's own OpenBLAS).
 
 Item 4 (in the ``ours`` worker): the apply step's bytes moved per call (every
 shared array it reads plus every one it writes, i.e. the least traffic the

@@ -195,24 +195,27 @@ def _json_or_raise(value, what):
     if not isinstance(value, Mapping):
         raise TypeError(f"{what} must be a dict, got {type(value).__name__}")
 
-    def check(obj, where):
+    def check(obj, where, depth=0):
+        if depth > 100:
+            raise ValueError(f"{what}{where} nests more than 100 levels deep (a dict or "
+                             "list that contains itself?)")
         if isinstance(obj, Mapping):
             for k, v in obj.items():
                 if not isinstance(k, str):
                     raise TypeError(f"{what}{where}: key {k!r} is not a string (JSON keys are "
                                     "strings; it would not come back as it went in)")
-                check(v, f"{where}[{k!r}]")
+                check(v, f"{where}[{k!r}]", depth + 1)
         elif isinstance(obj, (list, tuple)):
             for i, v in enumerate(obj):
-                check(v, f"{where}[{i}]")
+                check(v, f"{where}[{i}]", depth + 1)
         elif isinstance(obj, float):
             if obj != obj or obj in (float("inf"), float("-inf")):
                 raise ValueError(f"{what}{where} is {obj}, which JSON cannot hold")
         elif obj is not None and not isinstance(obj, (str, bool, int)):
             hint = (" (convert numpy numbers with int() or float(), arrays with .tolist())"
                     if isinstance(obj, (np.generic, np.ndarray)) else "")
-            raise TypeError(f"{what}{where} is a {type(obj).__name__}, which JSON cannot "
-                            f"hold{hint}")
+            raise TypeError(f"{what}{where} is of type {type(obj).__name__}, which JSON "
+                            f"cannot hold{hint}")
 
     check(value, "")
     text = json.dumps(dict(value))

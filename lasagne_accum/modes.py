@@ -42,7 +42,8 @@ def mode(base: Any = "CVM") -> Any:
     pytensor.compile.mode.Mode
         For ``pytensor.function(..., mode=...)``. Outside the PyTensor
         releases the library is tested with, PyTensor's own `base` (with one
-        warning): the same numbers, without the fast paths.
+        warning): the same numbers, without the fast paths; likewise for a
+        Mode of another kind (``DebugMode``) or backend.
 
     Raises
     ------
@@ -64,18 +65,20 @@ def mode(base: Any = "CVM") -> Any:
     >>> _ = f(np.full(2, 3.0)); w.get_value()     # the mean gradient, 2
     array([-2., -2.])
     """
+    from pytensor.compile.mode import get_mode
+
     from ._pytensor.modes import build
 
     if base is not None and not isinstance(base, str) and not hasattr(base, "linker"):
         raise TypeError(f"mode(): base must be a mode name, a pytensor Mode or None, "
                         f"got {base!r}")
-    try:
-        return build(base)
-    except (KeyError, ValueError):
-        if isinstance(base, str):
+    if isinstance(base, str):
+        try:
+            get_mode(base)
+        except (KeyError, ValueError):
             raise ValueError(f"mode(): {base!r} is not a PyTensor mode (try 'CVM', 'NUMBA', "
                              "'JAX' or 'PYTORCH')") from None
-        raise
+    return build(base)
 
 
 def blas_available() -> bool:

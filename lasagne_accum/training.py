@@ -32,6 +32,19 @@ if TYPE_CHECKING:
 __all__ = ["compile_accumulation", "AccumulationTrainer", "run_epoch"]
 
 
+def _copy_of(value: Any) -> Any:
+    """A copy of a shared variable's value that a later call cannot change."""
+    import copy
+
+    from ._graph import as_host_array
+
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, (np.random.Generator, np.random.RandomState)):
+        return copy.deepcopy(value)
+    return np.array(as_host_array(value), copy=True)   # a JAX or torch array
+
+
 class AccumulationTrainer:
     """Two compiled functions and the loop logic between them.
 
@@ -172,18 +185,23 @@ class AccumulationTrainer:
         import time
 
         from .checkpoint import collect_state
-        from ._graph import as_host_array
 
-        state = collect_state(self)
-        saved = {n: np.array(as_host_array(v.get_value(borrow=True)), copy=True)
-                 for n, v in state.items()}
+        # everything the two functions update: their update dictionaries, and the
+        # shared variables with a default update (a random stream's generator)
+        touched = list(collect_state(self).values())
+        for fn in (self.accumulate_fn, self.apply_fn):
+            maker = getattr(fn, "maker", None)
+            touched += [i.variable for i in getattr(maker, "inputs", ())
+                        if getattr(i, "update", None) is not None]
+        touched = list({id(v): v for v in touched}.values())
+        saved = [(v, _copy_of(v.get_value(borrow=True))) for v in touched]
         start = time.perf_counter()
         try:
             self.accumulate_fn(*batch)
             self.apply_fn()
         finally:
-            for n, v in state.items():
-                v.set_value(saved[n])
+            for v, value in saved:
+                v.set_value(value)
         return time.perf_counter() - start
 
     def _apply(self):
@@ -306,6 +324,10 @@ def compile_accumulation(
             raise TypeError(f"{label}: {', '.join(sorted(taken))} are set by "
                             "compile_accumulation (the parameters, the rule's updates and "
                             "the optimizer step); leave them out")
+        if "host_mode" in (kwargs or {}):
+            raise TypeError(f"{label}: host_mode keeps the average out of the apply step; "
+                            "build the average yourself and call its step() after each "
+                            "optimizer step")
     acc = accumulate_gradients(loss, params, average=average, weight=weight,
                                max_norm=max_norm, skip_nonfinite=skip_nonfinite, name=name)
     rule = check_rule_updates(update_rule, acc.grads, acc.params, dict(rule_kwargs or {}))

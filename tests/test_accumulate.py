@@ -666,3 +666,22 @@ def test_a_copy_of_the_grads_list_keeps_the_guard():
             np.testing.assert_array_equal(p.get_value(), old)
         t = next(v for v in rule if v.name == "adam.t")
         assert int(t.get_value()) == 0
+
+
+@pytest.mark.parametrize("wrapper", ["apply_momentum", "apply_nesterov_momentum"])
+def test_apply_momentum_on_guarded_sgd_keeps_the_guard(wrapper):
+    """Lasagne's idiom ``apply_momentum(sgd(accu.grads, ...))``: on an empty window
+    neither the parameters nor the velocities move (they would: momentum * velocity)."""
+    m = Model()
+    acc = accumulate_gradients(m.loss, m.params)
+    upd = getattr(L, wrapper)(L.sgd(acc.grads, m.params, 0.1), m.params, momentum=0.9)
+    step = pytensor.function([m.X, m.Y], [], updates=acc.accumulate)
+    apply_fn = pytensor.function([], [], updates=L.merge_updates(upd, acc.reset))
+    step(*make_batch(np.random.default_rng(3), 4))
+    apply_fn()   # a real step: the velocities are not zero now
+    values = [v.get_value().copy() for v in upd]
+    assert any(np.any(v) for v, var in zip(values, upd) if var.name.endswith("velocity"))
+    for _ in range(2):
+        apply_fn()   # empty windows
+    for var, old in zip(upd, values):
+        np.testing.assert_array_equal(var.get_value(), old, err_msg=var.name)

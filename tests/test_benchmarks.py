@@ -191,7 +191,7 @@ def test_performance_page_topics_name_existing_scripts(tmp_path, monkeypatch):
     spec.loader.exec_module(page)
     for topic, (_, _, command) in page.TOPICS.items():
         assert command[0].startswith("benchmarks/") and command[0][len("benchmarks/"):] in (
-            SCRIPTS + ["gpu.py"]), topic   # gpu.py arrives with the device work
+            SCRIPTS), topic
     monkeypatch.setattr(page, "PAGE", str(tmp_path / "performance.rst"))
     record = {"date": "2026-01-02", "commit": "abc1234", "dirty": True, "machine": "m",
               "command": "python benchmarks/inplace.py", "output": "a table\n\n  row 1.5"}

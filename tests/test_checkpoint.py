@@ -446,13 +446,20 @@ def test_metadata_survives_a_new_process(tmp_path):
     assert repr(rng.random()) == done.stdout.strip()   # the stream resumes exactly
 
 
+def _cycle():
+    loop = {"a": []}
+    loop["a"].append(loop)
+    return loop
+
+
 @pytest.mark.parametrize("metadata, error, match", [
     ([1, 2], TypeError, "metadata must be a dict"),
     ({1: "a"}, TypeError, r"key 1 is not a string"),
-    ({"x": np.float32(1.0)}, TypeError, r"metadata\['x'\] is a float32.*float\(\)"),
-    ({"x": [1, {"y": object()}]}, TypeError, r"metadata\['x'\]\[1\]\['y'\] is a object"),
+    ({"x": np.float32(1.0)}, TypeError, r"metadata\['x'\] is of type float32.*float\(\)"),
+    ({"x": [1, {"y": object()}]}, TypeError, r"metadata\['x'\]\[1\]\['y'\] is of type object"),
     ({"x": float("nan")}, ValueError, "JSON cannot hold"),
     ({"x": "y" * (1 << 20)}, ValueError, "more than the 1048576"),
+    (_cycle(), ValueError, "contains itself"),
 ])
 def test_bad_metadata_is_refused_and_nothing_written(tmp_path, metadata, error, match):
     w = pytensor.shared(np.zeros(2), name="w")

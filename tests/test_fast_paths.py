@@ -242,9 +242,9 @@ def _select_reset_fn(dtype, mode, flipped=False):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_select_reset_folds_into_an_inplace_gemm(dtype, mode, flipped):
-    mode = la.mode(mode)
     """``switch(fresh, 0, acc) + x.T @ d`` (the single-function form's lazy reset) is one
     in-place Gemm on the buffer, no matrix-sized select, and a reset drops a NaN."""
+    mode = la.mode(mode)
     from pytensor.scalar.basic import Switch
     from pytensor.tensor.elemwise import Elemwise
 
@@ -277,12 +277,15 @@ def test_select_reset_rewrite_can_be_left_out(mode):
 
 
 def test_gemm_rewrite_is_numba_only():
-    """The C backend keeps its own pass; Python modes get no Gemm from us."""
+    """Our Numba Gemm (the rewrite and its op) is for Numba modes: C keeps PyTensor's
+    own Gemm, and JAX gets none."""
     x = pt.matrix("x")
     acc = pytensor.shared(np.zeros((3, 3)), name="acc")
-    f = pytensor.function([x], [], updates={acc: acc + x @ x},
-                          mode=la.mode("FAST_COMPILE"))
-    assert not _gemm_nodes(f)
+    kinds = {}
+    for name in ("NUMBA", "CVM", "JAX"):
+        f = pytensor.function([x], [], updates={acc: acc + x @ x}, mode=la.mode(name))
+        kinds[name] = [type(n.op).__name__ for n in _gemm_nodes(f)]
+    assert kinds == {"NUMBA": ["NumbaGemm"], "CVM": ["Gemm"], "JAX": []}
 
 
 # --------------------------------------------------------------------------
@@ -349,9 +352,8 @@ def test_lazy_step_replaces_ifelse_and_is_exact(dtype, mode):
 def test_lazy_step_holds_the_whole_rule():
     """Nothing of the rule runs outside the op: the optimizer's states (moments,
     step count) are read by ``LazyStep`` alone, and the rule's bias-correction
-    factor is not computed on every call. Before the rewrite ran ahead of
-    elementwise fusion, a bias's Adam update was fused into the loop that
-    accumulates its gradient, and ran on every call."""
+    factor is not computed on every call (fused into the loop that accumulates a
+    bias's gradient, a bias's Adam update would run on every call)."""
     W = pytensor.shared(np.linspace(-1, 1, 12).reshape(4, 3), name="W")
     b = pytensor.shared(np.zeros(3), name="b")
     x, y = pt.matrix("x"), pt.matrix("y")
@@ -472,3 +474,46 @@ def test_plain_modes_and_jax_pytorch_get_the_plain_ifelse(mode):
                               mode=m)
         ops = {type(n.op).__name__ for n in f.maker.fgraph.toposort()}
         assert "IfElse" in ops and not ops & {"LazyStep", "WindowStep"}, (m, ops)
+
+
+def _views_rule(grads, params, learning_rate):
+    """A rule whose new ``a`` is a reversed view of ``b``'s old value and whose new ``b``
+    is computed from ``b``: in place, ``b``'s buffer must not be written before ``a``."""
+    a, b = params
+    return {b: b * 2 + learning_rate * grads[1], a: b[::-1]}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lazy_step_in_place_with_a_new_value_that_views_another_state(mode):
+    """numpy: after one window a = reversed old b, b = 2 b + 0.1 mean(grad of b)."""
+    x = pt.vector("x")
+    results = {}
+    for name, m in (("ours", la.mode(mode)), ("plain", mode)):
+        a = pytensor.shared(np.zeros(4), name="a")
+        b = pytensor.shared(np.arange(4.0) * 10, name="b")
+        loss = (a * x).sum() + (b * x).sum()
+        upd = la.with_accumulated_gradients(loss, [a, b], 2, _views_rule, learning_rate=0.1)
+        f = pytensor.function([x], [], updates=upd, mode=m)
+        f(np.ones(4))
+        f(np.full(4, 3.0))
+        results[name] = a.get_value().copy(), b.get_value().copy()
+    want_a = (np.arange(4.0) * 10)[::-1]
+    want_b = np.arange(4.0) * 20 + 0.1 * 2.0
+    for name, (a_val, b_val) in results.items():
+        np.testing.assert_allclose(a_val, want_a, rtol=0, atol=1e-12, err_msg=name)
+        np.testing.assert_allclose(b_val, want_b, rtol=0, atol=1e-12, err_msg=name)
+
+
+def test_float16_single_function_form_compiles_in_c():
+    """Numba compiles no float16: the lazy step's rule then runs in C, with the numbers of
+    PyTensor's own C mode."""
+    got = {}
+    for name, m in (("ours", la.mode("CVM")), ("plain", "CVM")):
+        W = pytensor.shared(np.linspace(-1, 1, 6).astype("float16"), name="W")
+        g = pt.vector("g", dtype="float16")
+        f = pytensor.function([g], [], updates=la.adam([g], [W], 0.01, average=2), mode=m)
+        for k in range(4):
+            f(np.full(6, k + 1, "float16"))
+        got[name] = W.get_value()
+    assert got["ours"].dtype == np.float16
+    np.testing.assert_array_equal(got["ours"], got["plain"])

@@ -1,4 +1,4 @@
-"""Tests of ModelAverage and ExponentialMovingAverage (lasagne_accum.averaging).
+"""Tests of ModelAverage and ExponentialMovingAverage (lasagne_accum.model_average).
 
 ModelAverage is checked against an independent numpy re-implementation of
 PaddlePaddle's ``average_accumulates`` kernel (``PaddleWindowRef`` below),

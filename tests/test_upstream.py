@@ -27,7 +27,7 @@ needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
 
 def _fixed_upstream(fix):
     return (f"PyTensor {pytensor.__version__} no longer shows this bug: drop {fix} "
-            "and this reproducer (docs/backends.md says which)")
+            "and this reproducer (docs/backends.rst says which)")
 
 
 def test_c_writes_float32_constants_as_inexact_double_literals():

@@ -71,7 +71,7 @@ def supported() -> bool:
                 f"found {version}. lasagne_accum.mode() gives PyTensor's own modes: the "
                 "same numbers, without the library's in-place fast paths and backend fixes.",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,   # supported() <- build() <- lasagne_accum.mode() <- the caller
             )
     return _checked[version]
 

@@ -28,6 +28,8 @@ the Numba backend computes both branches on every call.
 
 from __future__ import annotations
 
+import hashlib
+import pathlib
 from typing import Any, Sequence
 
 import numpy as np
@@ -39,6 +41,22 @@ __all__ = ["WindowStep", "window_step", "LazyStep", "to_lazy_step", "inplace",
            "register_numba"]
 
 _registered: set[str] = set()
+# Numba's on-disk cache is keyed by what a dispatcher says; this file's hash in the
+# key makes every edit of the generated code compile afresh.
+SOURCE_KEY = hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest()[:16]
+
+
+def _overlaps_another(value, own, arrays) -> bool:
+    """Whether `value` shares memory with one of `arrays` and is not exactly `own`.
+
+    A rule's new value may be computed into, or as a view of, a state's buffer:
+    before any state is overwritten such a value is taken aside, unless it is
+    the state's own buffer as it stands (nothing to copy).
+    """
+    if (value.__array_interface__["data"][0] == own.__array_interface__["data"][0]
+            and value.shape == own.shape and value.strides == own.strides):
+        return False
+    return any(np.may_share_memory(value, a) for a in arrays)
 
 
 class WindowStep(OpFromGraph):
@@ -224,8 +242,10 @@ class LazyStep(Op):
 
             from .modes import build
 
-            base = "NUMBA" if importlib.util.find_spec("numba") else "CVM"
             fg = self.fgraph.clone()
+            float16 = any(getattr(v.type, "dtype", "") == "float16"
+                          for v in [*fg.inputs, *fg.outputs])   # Numba compiles no float16
+            base = "NUMBA" if importlib.util.find_spec("numba") and not float16 else "CVM"
             ins = [In(v, borrow=True, mutable=self.inplace and i in self.computed)
                    for i, v in enumerate(fg.inputs)]
             self._fn = pytensor.function(ins, [Out(o, borrow=True) for o in fg.outputs],
@@ -247,15 +267,14 @@ class LazyStep(Op):
             return
         new = list(self.inner_function()(*args))
         if self.inplace:
-            address = [s.__array_interface__["data"][0] for s in states]
-            # the inner graph may have written state i's new value into state j's
-            # buffer: take those values aside before any store
+            # a new value in (or a view of) a state's buffer goes aside before any store
             for k, (i, v) in enumerate(zip(self.computed, new)):
-                at = v.__array_interface__["data"][0]
-                if at != address[i] and at in address:
+                if _overlaps_another(v, states[i], states):
                     new[k] = v.copy()
             for i, v in zip(self.computed, new):
-                if v.__array_interface__["data"][0] != address[i]:
+                if v is not states[i] and not (
+                        v.__array_interface__["data"][0] == states[i].__array_interface__[
+                            "data"][0] and v.strides == states[i].strides):
                     np.copyto(states[i], v)
             for i in self.zeros:
                 states[i].fill(0)
@@ -381,15 +400,29 @@ def register_numba():
         register_funcify_and_cache_key,
     )
 
-    from .gemm import SOURCE_KEY
+    @numba_basic.numba_njit
+    def bounds(a):
+        """The lowest and one past the highest byte address `a` spans."""
+        lo = hi = a.ctypes.data
+        for extent, stride in zip(a.shape, a.strides):
+            if extent == 0:
+                return lo, lo
+            if stride < 0:
+                lo += (extent - 1) * stride
+            else:
+                hi += (extent - 1) * stride
+        return lo, hi + a.itemsize
 
     @numba_basic.numba_njit
-    def aside(value, own, addresses):
-        at = value.ctypes.data
-        if at != own.ctypes.data:
-            for other in addresses:
-                if other == at:
-                    return value.copy()
+    def aside(value, own, spans):
+        """`value`, or a copy where it shares memory with a state and is not `own` itself."""
+        if value.ctypes.data == own.ctypes.data and value.shape == own.shape and \
+                value.strides == own.strides:
+            return value
+        lo, hi = bounds(value)
+        for other_lo, other_hi in spans:
+            if lo < other_hi and other_lo < hi:
+                return value.copy()
         return value
 
     @numba_basic.numba_njit
@@ -399,7 +432,7 @@ def register_numba():
 
     @numba_basic.numba_njit
     def store(dst, src):
-        if dst.ctypes.data != src.ctypes.data:
+        if dst.ctypes.data != src.ctypes.data or dst.strides != src.strides:
             dst[...] = src
 
     @register_funcify_and_cache_key(LazyStep)
@@ -418,15 +451,14 @@ def register_numba():
             fgraph, squeeze_output=False, fgraph_name="lazy_step_inner", **kwargs)
         n = op.n_states
         args = [f"a{i}" for i in range(len(fgraph.inputs))]
-        # in place, the inner graph may have written state i's new value into state
-        # j's buffer: take those values aside (aside) before any store; the zeroed
-        # states' fills come last
+        # in place, a new value may lie in (or be a view of) a state's buffer: take
+        # those values aside (aside) before any store; the zeroed states' fills come last
         lines = ["    if cond:"]
         if op.computed:
-            addresses = ", ".join(f"a{i}.ctypes.data" for i in range(n)) + ("," if n == 1 else "")
+            spans = ", ".join(f"bounds(a{i})" for i in range(n)) + ("," if n == 1 else "")
             lines += [f"        new = inner({', '.join(args)})",
-                      f"        addresses = ({addresses})"]
-            lines += [f"        n{i} = aside(new[{k}], a{i}, addresses)"
+                      f"        spans = ({spans})"]
+            lines += [f"        n{i} = aside(new[{k}], a{i}, spans)"
                       for k, i in enumerate(op.computed)]
             lines += [f"        store{'0' if fgraph.inputs[i].type.ndim == 0 else ''}(a{i}, n{i})"
                       for i in op.computed]
@@ -436,7 +468,8 @@ def register_numba():
         src = (f"def lazy_step(cond, {', '.join(args)}):\n" + "\n".join(lines) + "\n"
                f"    return {args[0] if n == 1 else returns}\n")
         fn = numba_basic.numba_njit(compile_numba_function_src(
-            src, "lazy_step", {"inner": inner, "store": store, "store0": store0, "aside": aside}))
+            src, "lazy_step", {"inner": inner, "store": store, "store0": store0, "aside": aside,
+                               "bounds": bounds}))
         key = None if inner_key is None else sha256(
             str(("lasagne_accum.LazyStep", n, op.zeros, inner_key, SOURCE_KEY)).encode()
         ).hexdigest()

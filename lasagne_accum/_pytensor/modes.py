@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 __all__ = ["build", "backend_of"]
@@ -9,27 +10,36 @@ __all__ = ["build", "backend_of"]
 _cache: dict[Any, tuple[Any, Any]] = {}
 
 
-def backend_of(mode) -> str:
-    """``"numba"``, ``"jax"``, ``"pytorch"`` or ``"c"`` (the C and Python linkers) for a Mode."""
+def backend_of(mode) -> str | None:
+    """``"c"`` (the C and Python linkers), ``"numba"``, ``"jax"``, ``"pytorch"``, or None.
+
+    None for any other Mode (``DebugMode``, another backend's linker): our
+    rewrites and fixes are not made for it.
+    """
+    from pytensor.compile.mode import Mode
+    from pytensor.link.basic import PerformLinker
+    from pytensor.link.c.basic import CLinker, OpWiseCLinker
     from pytensor.link.jax.linker import JAXLinker
     from pytensor.link.numba.linker import NumbaLinker
     from pytensor.link.pytorch.linker import PytorchLinker
+    from pytensor.link.vm import VMLinker
 
-    linker = mode.linker
-    if isinstance(linker, NumbaLinker):
-        return "numba"
-    if isinstance(linker, JAXLinker):
-        return "jax"
-    if isinstance(linker, PytorchLinker):
-        return "pytorch"
-    return "c"
+    if type(mode) is not Mode:
+        return None
+    kinds = ((NumbaLinker, "numba"), (JAXLinker, "jax"), (PytorchLinker, "pytorch"),
+             ((VMLinker, CLinker, OpWiseCLinker, PerformLinker), "c"))
+    for classes, kind in kinds:
+        if isinstance(mode.linker, classes):
+            return kind
+    return None
 
 
 def build(base: Any = "CVM") -> Any:
     """`base` (a mode name or a Mode) with our rewrites and backend fixes included.
 
     PyTensor's own `base` when the installed PyTensor is outside
-    :data:`lasagne_accum._pytensor.SUPPORTED` (one warning).
+    :data:`lasagne_accum._pytensor.SUPPORTED` (one warning), and for a Mode
+    whose backend is none of C, Numba, JAX and PyTorch.
     """
     from pytensor.compile.mode import Mode, get_mode
 
@@ -38,15 +48,15 @@ def build(base: Any = "CVM") -> Any:
     base_mode = get_mode(base)
     if not isinstance(base_mode, Mode):
         raise TypeError(f"mode(): base must be a mode name or a pytensor Mode, got {base!r}")
-    if not supported():
+    kind = backend_of(base_mode)
+    if kind is None or not supported():
         return base_mode
     key = id(base_mode)
-    if key in _cache and _cache[key][0] is base_mode:
+    if key in _cache and _cache[key][0]() is base_mode:
         return _cache[key][1]
     from . import TAGS, gemm, lazy_step, linkers, register_rewrites
 
     register_rewrites()
-    kind = backend_of(base_mode)
     if kind == "numba":
         gemm.register_numba()
         lazy_step.register_numba()
@@ -61,5 +71,7 @@ def build(base: Any = "CVM") -> Any:
     else:
         linker = base_mode.linker.clone()
     built = Mode(linker=linker, optimizer=optimizer)
-    _cache[key] = (base_mode, built)
+    for stale in [k for k, (ref, _) in _cache.items() if ref() is None]:
+        del _cache[stale]
+    _cache[key] = (weakref.ref(base_mode), built)
     return built

@@ -103,6 +103,20 @@ def sgd(
 # ---------------------------------------------------------------------- momentum
 
 
+def _keep_guard(result, param, velocity, signal):
+    """Guard a wrapper's new values as the wrapped rule's were (``accu.grads``' empty window).
+
+    The wrapped value of `param` may carry a step signal (the guard of an
+    accumulation's apply step): the velocity and the parameter then keep their
+    values when it is false, as the wrapped rule's did.
+    """
+    if signal is None:
+        return
+    for var in (velocity, param):
+        result[var] = pt.switch(signal, result[var], var)
+        result[var].tag.step_signal = signal
+
+
 def _updated(updates, params, rule):
     updates = OrderedDict(updates)
     params = list(updates.keys()) if params is None else check_params(params)
@@ -166,9 +180,11 @@ def apply_momentum(
         dtype = _compute_dtype(param)
         mom = hyperparameter(momentum, "momentum", dtype, low=0, high=1)
         velocity = state_like(param, suffix, i, dtype=dtype)
-        x = mom * velocity + _cast(pt.as_tensor_variable(result[param]), dtype)
+        wrapped = pt.as_tensor_variable(result[param])
+        x = mom * velocity + _cast(wrapped, dtype)
         result[velocity] = x - _cast(param, dtype)
         result[param] = _cast(x, param.type.dtype)
+        _keep_guard(result, param, velocity, getattr(wrapped.tag, "step_signal", None))
     return result
 
 
@@ -299,10 +315,12 @@ def apply_nesterov_momentum(
         dtype = _compute_dtype(param)
         mom = hyperparameter(momentum, "momentum", dtype, low=0, high=1)
         velocity = state_like(param, suffix, i, dtype=dtype)
-        new = _cast(pt.as_tensor_variable(result[param]), dtype)
+        wrapped = pt.as_tensor_variable(result[param])
+        new = _cast(wrapped, dtype)
         x = mom * velocity + new - _cast(param, dtype)
         result[velocity] = x
         result[param] = _cast(mom * x + new, param.type.dtype)
+        _keep_guard(result, param, velocity, getattr(wrapped.tag, "step_signal", None))
     return result
 
 
