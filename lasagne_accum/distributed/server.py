@@ -38,6 +38,8 @@ class BaseServer:
     ``_note_rejected()`` (count one rejected push).
     """
 
+    _copy_grads = True        # a push's arrays are copied when checked (a server keeps them)
+
     # implemented by the subclasses
     _call: Callable[..., list[Any]]
     _push: Callable[..., list[Any]]
@@ -149,7 +151,7 @@ class BaseServer:
             specs = self._shard_specs[i]
             where = f"shard {self.shard_names[i]!r}"
             arrays = check_grads({n: grads[n] for n in specs if n in grads}, specs, where,
-                                 self.options.check_finite)
+                                 self.options.check_finite, copy=self._copy_grads)
             calls.append((worker_id, seq, arrays, weight,
                           check_version(version[i], f"{where} (version[{i}])")))
         return idx, calls
@@ -315,6 +317,11 @@ class BaseServer:
         return list(arrays)
 
     closed = False
+
+    def last_timing(self) -> dict[str, float] | None:
+        """Where this thread's last call spent its time, for servers that send messages
+        (``{"serialise", "shard", "round"}`` seconds); None for the in-process server."""
+        return None
 
     def close(self) -> None:
         """Close the server: later calls on it raise ``ServerClosedError``.

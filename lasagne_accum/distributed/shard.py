@@ -23,11 +23,11 @@ import pytensor.tensor as pt
 from pytensor.compile.sharedvalue import SharedVariable
 
 from ..state import collect_state
-from ..backends import default_modes
 from ..grads import check_rule_updates
 from .checks import PushRejected, ServerOptions, ServerTimeoutError, check_grads, \
     check_seq, check_version, check_weight, check_worker_id, learning_rate_kind, \
     named_params, param_specs
+from .compiling import compile_function
 from .rounds import Rounds
 
 if TYPE_CHECKING:
@@ -79,8 +79,8 @@ class ApplyFunction:
                 # shard-level state (adam.t): one per shard, named after it
                 var.name = f"{shard_name}/{var.name or f'state{i}'}"
         self.updates = OrderedDict(updates)
-        mode = compile_mode or default_modes()[1]
-        self._fn = pytensor.function(grads + [factor], [], updates=self.updates, mode=mode)
+        self._fn = compile_function(grads + [factor], [], self.updates, compile_mode,
+                                    role="apply")
         self._warm_up()
 
     def _warm_up(self):
@@ -169,6 +169,7 @@ class Shard:
         self.lock = threading.Lock()
         self._cond = threading.Condition(self.lock)
         self.book = Rounds(name, self.specs, self.options, self.fn)
+
         self.book.listeners.append(lambda rid: self._cond.notify_all())
 
     # ---------------------------------------------------------------- workers
