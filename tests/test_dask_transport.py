@@ -345,3 +345,16 @@ def test_shard_comms_use_the_clusters_tls(transport):
                                      server._transport.token) == b""
         finally:
             server.close()
+
+
+def _environ(name):
+    return os.environ.get(name)
+
+
+def test_local_cluster_workers_keep_glibcs_allocator_default(client):
+    """Dask's MALLOC_TRIM_THRESHOLD_ would make every large array fresh pages, each time."""
+    from lasagne_accum.distributed.dask.cluster import KEEP_GLIBC_DEFAULT
+
+    assert KEEP_GLIBC_DEFAULT == "MALLOC_TRIM_THRESHOLD_"
+    assert set(client.run(_environ, KEEP_GLIBC_DEFAULT).values()) == {None}
+    assert set(client.run(_environ, "OMP_NUM_THREADS").values()) == {"1"}   # Dask's other

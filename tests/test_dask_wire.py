@@ -1,5 +1,5 @@
-"""The Dask backend's parts that need no cluster: the wire format, the request checks and
-the transport interface's shared logic.
+"""The Dask backend's parts that need no cluster: the wire format, the request checks, the
+transport interface's shared logic, and a sync round's merge.
 
 * A message's arrays travel as raw buffers and come back as aligned views of
   the received body (no copy); a request decodes to plain data or is refused
@@ -7,6 +7,8 @@ the transport interface's shared logic.
 * :class:`Transport` does reuse, the one retry on a link closed while idle,
   timeouts and the mapping to ``ShardLostError`` for every transport: a
   transport of a few lines (a fake one here) gets all of it.
+* The merge's compiled loops give the same bits as numpy and as the formula
+  written out.
 """
 
 import importlib.util
@@ -21,6 +23,7 @@ from lasagne_accum.distributed.checks import ServerOptions
 from lasagne_accum.distributed.dask import wire
 from lasagne_accum.distributed.dask.wire import BadRequest, check_request, decode_request, \
     encode_request
+from lasagne_accum.distributed.merge import merge, merge_numpy
 
 
 def _body(pieces):
@@ -230,3 +233,32 @@ def test_transport_replaces_a_link_found_closed_while_idle():
         assert len(t.opened) == 2 and t.opened[0].closed
     finally:
         _links.drop(t.keys())
+
+
+# ------------------------------------------------------------------ the merge
+
+
+def _written_out(arrays, weights, total, dtype, mean):
+    """The round's merge as the formula reads (float64, in order, rounded once)."""
+    acc = np.zeros(np.shape(arrays[0]), np.float64)
+    for g, w in zip(arrays, weights):
+        acc = acc + (g.astype(np.float64) * w if mean else g.astype(np.float64))
+    return (acc / total if mean else acc).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_merge_gives_the_formulas_bits(dtype, k):
+    rng = np.random.default_rng(k)
+    scale = 3 if dtype == "float16" else 6
+    arrays = [(rng.standard_normal((64, 33)) * 10.0 ** rng.integers(-scale, scale, (64, 33)))
+              .astype(dtype) for _ in range(k)]
+    arrays[0][0, :3] = [-0.0, 0.0, 1e-30]
+    weights = [float(rng.integers(1, 500)) + 0.25 * i for i in range(k)]
+    total = sum(weights)
+    for mean in (True, False):
+        expected = _written_out(arrays, weights, total, dtype, mean)
+        for fn in (merge, merge_numpy):
+            got = fn(arrays, weights, total, dtype, mean)
+            assert got.dtype == np.dtype(dtype) and got.shape == (64, 33)
+            assert got.tobytes() == expected.tobytes(), (fn.__name__, mean)

@@ -121,8 +121,12 @@ class Worker:
         self.version: tuple[int | None, ...] | None = None
 
     def _set(self, values):
+        # a server's reply is this worker's own (fresh arrays, or views of the message it
+        # received): kept as it is where it is writeable, copied where it is not
         for n, v in values.items():
-            self.params[n].set_value(_aligned(v))
+            v = _aligned(v)
+            borrow = isinstance(v, np.ndarray) and v.flags.writeable and v.flags.c_contiguous
+            self.params[n].set_value(v, borrow=borrow)
 
     def run(
         self,

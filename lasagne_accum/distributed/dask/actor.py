@@ -257,8 +257,9 @@ class ShardActor:
             event = self._event(name)             # taken before the check: no lost wake-up
             # the lock is only ever held for a step or a copy: wait for it (with
             # blocking=False a busy lock would read as an open round, and the round's
-            # end, already signalled, would be missed until the timeout)
-            result = shard.wait_round(round_id, timeout=0, pull=pull)
+            # end, already signalled, would be missed until the timeout); the round's
+            # waiters share one copy of the parameters, which is only sent
+            result = shard.wait_round(round_id, timeout=0, pull=pull, shared=True)
             if result is not None:
                 return result
             left = end - time.monotonic()

@@ -11,6 +11,8 @@ import sys
 
 __all__ = ["local_cluster", "connect", "require_distributed", "unguarded_line"]
 
+KEEP_GLIBC_DEFAULT = "MALLOC_TRIM_THRESHOLD_"   # left unset in the worker processes we start
+
 
 def require_distributed():
     """Dask's ``distributed`` package, or an ImportError that says how to install it."""
@@ -115,12 +117,19 @@ def local_cluster(n_workers=2, *, security=None, silence_logs=logging.ERROR, **c
     """
     distributed = require_distributed()
     _check_main_guard()
+    import dask
+
     kwargs = dict(n_workers=n_workers, threads_per_worker=1, processes=True, host="127.0.0.1",
                   dashboard_address=None, worker_dashboard_address=None,
                   scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
                   security=security, silence_logs=silence_logs)
     kwargs.update(cluster_kwargs)
-    cluster = distributed.LocalCluster(**kwargs)
+    # Dask starts its worker processes with MALLOC_TRIM_THRESHOLD_ set, which also fixes
+    # glibc's mmap threshold at 128 KiB: every array larger than that (a training step's
+    # intermediates, a push) is then fresh pages from the kernel, faulted in page by page,
+    # each time. The processes started here keep glibc's default, which reuses freed blocks.
+    with dask.config.set({f"distributed.nanny.pre-spawn-environ.{KEEP_GLIBC_DEFAULT}": None}):
+        cluster = distributed.LocalCluster(**kwargs)
     try:
         client = distributed.Client(cluster, security=cluster.security)
         try:
