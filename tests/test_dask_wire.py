@@ -256,9 +256,11 @@ def test_merge_gives_the_formulas_bits(dtype, k):
     arrays[0][0, :3] = [-0.0, 0.0, 1e-30]
     weights = [float(rng.integers(1, 500)) + 0.25 * i for i in range(k)]
     total = sum(weights)
-    for mean in (True, False):
+    scratch = {}                                  # kept between calls, as a shard does
+    for mean in (True, False, True):
         expected = _written_out(arrays, weights, total, dtype, mean)
-        for fn in (merge, merge_numpy):
-            got = fn(arrays, weights, total, dtype, mean)
+        for got in (merge(arrays, weights, total, dtype, mean),
+                    merge(arrays, weights, total, dtype, mean, scratch=scratch),
+                    merge_numpy(arrays, weights, total, dtype, mean)):
             assert got.dtype == np.dtype(dtype) and got.shape == (64, 33)
-            assert got.tobytes() == expected.tobytes(), (fn.__name__, mean)
+            assert got.tobytes() == expected.tobytes(), mean

@@ -30,14 +30,22 @@ def _compiled():
             return _kernels
 
         @numba.njit(nogil=True, cache=True)
-        def add_weighted(acc, g, w):          # acc + float64(g) * w, element by element
-            for i in range(acc.size):
-                acc[i] = acc[i] + np.float64(g[i]) * w
+        def add_weighted(acc, g, w, first):   # acc + float64(g) * w (acc = 0 when first)
+            if first:
+                for i in range(acc.size):
+                    acc[i] = 0.0 + np.float64(g[i]) * w
+            else:
+                for i in range(acc.size):
+                    acc[i] = acc[i] + np.float64(g[i]) * w
 
         @numba.njit(nogil=True, cache=True)
-        def add(acc, g):                      # acc + float64(g)
-            for i in range(acc.size):
-                acc[i] = acc[i] + np.float64(g[i])
+        def add(acc, g, first):               # acc + float64(g) (acc = 0 when first)
+            if first:
+                for i in range(acc.size):
+                    acc[i] = 0.0 + np.float64(g[i])
+            else:
+                for i in range(acc.size):
+                    acc[i] = acc[i] + np.float64(g[i])
 
         @numba.njit(nogil=True, cache=True)
         def finish(acc, total, out):          # acc / total, rounded to out's dtype
@@ -63,7 +71,7 @@ def merge_numpy(arrays, weights, total, dtype, mean=True):
     return acc.astype(dtype)
 
 
-def merge(arrays, weights, total, dtype, mean=True):
+def merge(arrays, weights, total, dtype, mean=True, scratch=None):
     """The merged gradient of one parameter (see the module's notes).
 
     Parameters
@@ -78,6 +86,12 @@ def merge(arrays, weights, total, dtype, mean=True):
         The parameter's dtype: the result's.
     mean : bool
         The weighted mean; False: the sum.
+    scratch : dict, optional
+        Kept by the caller between calls for this parameter: the compiled
+        loops write the float64 accumulator and the result into arrays kept
+        there (made at the first call) instead of new ones, whose pages the
+        kernel would have to supply again at every round. The result is then
+        valid until the next call with the same `scratch`.
     """
     kernels = _compiled() if str(dtype) in ("float32", "float64") else False
     if not kernels or not all(isinstance(g, np.ndarray) and g.flags.c_contiguous
@@ -85,13 +99,16 @@ def merge(arrays, weights, total, dtype, mean=True):
         return merge_numpy(arrays, weights, total, dtype, mean)
     add_weighted, add, finish = kernels
     shape = np.shape(arrays[0])
-    acc = np.zeros(shape, np.float64).reshape(-1)
-    for g, w in zip(arrays, weights):
+    scratch = {} if scratch is None else scratch
+    if scratch.get("shape") != (shape, str(dtype)):
+        scratch.update(shape=(shape, str(dtype)), acc=np.empty(shape, np.float64),
+                       out=np.empty(shape, dtype))
+    acc, out = scratch["acc"].reshape(-1), scratch["out"]
+    for k, (g, w) in enumerate(zip(arrays, weights)):
         if mean:
-            add_weighted(acc, g.reshape(-1), float(w))
+            add_weighted(acc, g.reshape(-1), float(w), k == 0)
         else:
-            add(acc, g.reshape(-1))
-    out = np.empty(shape, dtype)
+            add(acc, g.reshape(-1), k == 0)
     finish(acc, float(total) if mean else 1.0, out.reshape(-1))
     return out
 

@@ -89,6 +89,7 @@ class Rounds:
         self.staleness = {}
         self.log = []
         self.listeners = []          # callables(round id), called when a round ends
+        self._scratch = {}           # param index -> the merge's buffers, kept between rounds
 
     @property
     def where(self):
@@ -203,13 +204,17 @@ class Rounds:
         return bool(self.pending) and all(w in self.pending for w in self.live)
 
     def merged(self):
-        """``(order, total weight, arrays)`` of the open round: the weighted mean or the sum."""
+        """``(order, total weight, arrays)`` of the open round: the weighted mean or the sum.
+
+        The arrays are valid until the next call (the merge reuses its buffers).
+        """
         order = sorted(self.pending, key=str)
         total = sum(self.pending[w][2] for w in order)
         mean = self.options.merge == "mean"
         weights = [self.pending[w][2] for w in order]
         # in float64, in a fixed order: the same bits whatever the arrival order
-        out = [merge([self.pending[w][1][i] for w in order], weights, total, dtype, mean)
+        out = [merge([self.pending[w][1][i] for w in order], weights, total, dtype, mean,
+                     scratch=self._scratch.setdefault(i, {}))
                for i, (_, dtype) in enumerate(self.specs.values())]
         return order, total, out
 

@@ -405,8 +405,9 @@ class ParameterServer(BaseServer):
     def _push(self, indices, calls, pull, wait):
         self._check_open()
         shards = [self.shards[i] for i in indices]
-        results = push_atomic(shards, calls, pull=pull)
-        if self.mode != "sync" or not wait:
+        waits = self.mode == "sync" and wait      # the round's result brings the params
+        results = push_atomic(shards, calls, pull=pull and not waits)
+        if not waits:
             return results
         out = []
         for shard, r in zip(shards, results):

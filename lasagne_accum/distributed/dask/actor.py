@@ -168,14 +168,16 @@ class ShardActor:
         return self.serve_here(method, args)
 
     def serve_here(self, method, args):
-        """One request in the caller's thread; a sync push does not wait here (:meth:`wait_here`)."""
+        """One request in the caller's thread; a sync push does not wait here
+        (:meth:`wait_here` does)."""
         if method == "call":
             return self.call(*args)
         if method == "check":
             return self._check(*args)
         if method == "push":
-            calls, pull = args[:2]
-            return self._push(calls, pull)
+            calls, pull, wait = args
+            waits = self.options.mode == "sync" and wait    # wait_here brings the params
+            return self._push(calls, pull and not waits)
         if method == "pid":
             return self.pid()
         raise ValueError(f"unknown request {method!r}")
@@ -231,8 +233,9 @@ class ShardActor:
         Returns ``(True, [per-shard result])`` or ``(False, exception)``;
         adds the seconds spent waiting for rounds to ``timing["round"]``.
         """
-        ok, results = self._push(calls, pull)
-        if not ok or self.options.mode != "sync" or not wait:
+        waits = self.options.mode == "sync" and wait   # the round's result brings the params
+        ok, results = self._push(calls, pull and not waits)
+        if not ok or not waits:
             return ok, results
         infos = {}
         start = time.perf_counter()

@@ -255,10 +255,13 @@ class _Link(asyncio.BufferedProtocol):
             del body
             if self.state == "closed":
                 return
-            # piece by piece: each is sent from where it lies, as far as the socket takes it
-            self.transport.write(wire.size(pieces).to_bytes(wire.HEADER, "little"))
-            for piece in pieces:
-                self.transport.write(piece)
+            header = wire.size(pieces).to_bytes(wire.HEADER, "little")
+            if wire.size(pieces) <= wire.JOIN_BELOW:   # one write, one wake-up of the caller
+                self.transport.write(b"".join([header, *pieces]))
+            else:               # piece by piece: each sent from where it lies, if it can be
+                self.transport.write(header)
+                for piece in pieces:
+                    self.transport.write(piece)
             del pieces
             if self.can_write is not None:
                 await self.can_write          # the reply is on its way: bounded buffers

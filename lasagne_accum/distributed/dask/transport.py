@@ -103,7 +103,7 @@ class Transport:
         names of each group's shards, for the errors.
     """
 
-    name = None
+    name: str = ""
     closed_errors: tuple = (EOFError, ConnectionError)
     needs_event_loop = False
 
@@ -345,7 +345,11 @@ class Link:
             raise ValueError(f"a request of {n} bytes; the shard process takes at most "
                              f"{self.max_frame}")
         self._sock.settimeout(max(timeout, 1e-3))
-        _send_pieces(self._sock, [n.to_bytes(wire.HEADER, "little")] + list(pieces))
+        pieces = [n.to_bytes(wire.HEADER, "little"), *pieces]
+        if n <= wire.JOIN_BELOW:        # one buffer, one segment train, one wake-up
+            self._sock.sendall(b"".join(pieces))
+        else:
+            _send_pieces(self._sock, pieces)
 
     def read(self, timeout):
         self._sock.settimeout(max(timeout, 1e-3))

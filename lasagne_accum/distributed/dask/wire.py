@@ -37,6 +37,7 @@ ALIGN = 64                 # offset granularity of the buffers in a body
 HEADER = 8                 # bytes of a frame header (the body's length)
 MAX_BUFFERS = 1 << 16      # buffers one message may declare
 MAX_HEAD = 1 << 20         # bytes of a request's JSON head (names and numbers only)
+JOIN_BELOW = 1 << 18       # a smaller message is sent as one buffer (one copy, one syscall)
 _ARRAY = "__ndarray__"
 _KINDS = "biufc"           # dtype kinds a request's array may have
 
@@ -159,7 +160,7 @@ def _array(spec, buffer):
         raise BadRequest(f"an array of unknown dtype {dtype_text!r}") from None
     if dtype.kind not in _KINDS or dtype.fields is not None or dtype.subdtype is not None:
         raise BadRequest(f"an array of dtype {dtype} (only numeric arrays are sent)")
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    count = math.prod(shape)                # Python ints: no overflow
     if count * dtype.itemsize != buffer.nbytes:
         raise BadRequest(f"an array of {count} {dtype} values in a buffer of {buffer.nbytes} "
                          "bytes")
