@@ -593,6 +593,7 @@ def main(argv=None):
     runs = {}                      # (model, system, n) -> [(samples/s, accuracy)]
     breakdown = {}                 # mode -> [TrainResult]
     listening = []                 # (who, address, port)
+    loads = []                     # the 1-minute load average as each round began
     ttt = {"dask async, 2 trainers": [], "local, 1 thread": []}
     log = common.worker_log("bench-distributed")
     groups = {}
@@ -628,6 +629,7 @@ def main(argv=None):
                 run(model, system, n, 2)
             for r in range(args.rounds):
                 order = configs[r % len(configs):] + configs[:r % len(configs)]
+                loads.append(os.getloadavg()[0])
                 for model, system, n in order:
                     sps, acc, compute, result = run(model, system, n, pushes[model])
                     if result is not None and model == "wide" and n == 2:
@@ -692,6 +694,17 @@ def main(argv=None):
                       if rival and (model, rival, 2) in med else "")
             print(f"| {MODELS[model].name} | {system} | {one:.0f} | {two:.0f} | "
                   f"{two / one:.2f}x | {versus} | {med[model, system, 2][1]:.3f} |")
+    if args.rounds > 1 and "wide" in args.models:
+        systems = [s for s in ("ours, Dask sync", "torch DDP (gloo)", "ours, Dask async",
+                               "torch rpc server") if ("wide", s, 1) in runs]
+        print(f"\n{MODELS['wide'].name}, each round (samples/s, 1 / 2 processes; the "
+              "1-minute load average as the round began):\n")
+        print("| round | load | " + " | ".join(systems) + " |")
+        print("|---|---|" + "---|" * len(systems))
+        for r, load in enumerate(loads):
+            print(f"| {r + 1} | {load:.2f} | " + " | ".join(
+                f"{runs['wide', s, 1][r][0]:.0f} / {runs['wide', s, 2][r][0]:.0f}"
+                for s in systems) + " |")
     print("\nModels: " + "; ".join(f"{MODELS[m].name}: {MODELS[m].description}, "
                                    f"{MODELS[m].pushes[bool(args.quick)]} pushes per trainer, "
                                    f"Adam lr {MODELS[m].lr}" for m in args.models) + ".")

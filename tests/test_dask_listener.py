@@ -13,7 +13,6 @@ back) through ``client.run``.
 import asyncio
 import importlib.util
 import os
-import pickle
 import socket
 import struct
 import subprocess
@@ -59,7 +58,7 @@ def server(client):
     s.close()
 
 
-# ------------------------------------------------------------------ helpers run in the shard process
+# ------------------------------------------------------------------ run in the shard process
 
 
 def _counts(dask_worker):
