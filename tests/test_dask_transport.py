@@ -351,10 +351,16 @@ def _environ(name):
     return os.environ.get(name)
 
 
-def test_local_cluster_workers_keep_glibcs_allocator_default(client):
-    """Dask's MALLOC_TRIM_THRESHOLD_ would make every large array fresh pages, each time."""
+def _profiling(dask_worker):
+    return "profile" in dask_worker.periodic_callbacks
+
+
+def test_local_cluster_workers_keep_glibcs_allocator_default_and_do_not_profile(client):
+    """Dask's MALLOC_TRIM_THRESHOLD_ would make every large array fresh pages, each time; its
+    profiler would take the GIL from a trainer every 10 ms."""
     from lasagne_accum.distributed.dask.cluster import KEEP_GLIBC_DEFAULT
 
     assert KEEP_GLIBC_DEFAULT == "MALLOC_TRIM_THRESHOLD_"
     assert set(client.run(_environ, KEEP_GLIBC_DEFAULT).values()) == {None}
     assert set(client.run(_environ, "OMP_NUM_THREADS").values()) == {"1"}   # Dask's other
+    assert set(client.run(_profiling).values()) == {False}

@@ -13,6 +13,18 @@ __all__ = ["local_cluster", "connect", "require_distributed", "unguarded_line"]
 
 KEEP_GLIBC_DEFAULT = "MALLOC_TRIM_THRESHOLD_"   # left unset in the worker processes we start
 
+#: Dask settings of the worker processes :func:`local_cluster` starts.
+#:
+#: * Dask sets ``MALLOC_TRIM_THRESHOLD_`` in its worker processes, which also fixes
+#:   glibc's mmap threshold at 128 KiB: every larger array (a training step's
+#:   intermediates, a push) is then fresh pages from the kernel, faulted in one by one,
+#:   each time. Left unset, glibc reuses freed blocks.
+#: * Dask's statistical profiler samples the stack of a running task every 10 ms on the
+#:   worker's event loop, which takes the GIL from the trainer between its compiled calls.
+#:   The loopback cluster has no dashboard to show the profile: it is off.
+WORKER_CONFIG = {f"distributed.nanny.pre-spawn-environ.{KEEP_GLIBC_DEFAULT}": None,
+                 "distributed.worker.profile.enabled": False}
+
 
 def require_distributed():
     """Dask's ``distributed`` package, or an ImportError that says how to install it."""
@@ -124,11 +136,7 @@ def local_cluster(n_workers=2, *, security=None, silence_logs=logging.ERROR, **c
                   scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
                   security=security, silence_logs=silence_logs)
     kwargs.update(cluster_kwargs)
-    # Dask starts its worker processes with MALLOC_TRIM_THRESHOLD_ set, which also fixes
-    # glibc's mmap threshold at 128 KiB: every array larger than that (a training step's
-    # intermediates, a push) is then fresh pages from the kernel, faulted in page by page,
-    # each time. The processes started here keep glibc's default, which reuses freed blocks.
-    with dask.config.set({f"distributed.nanny.pre-spawn-environ.{KEEP_GLIBC_DEFAULT}": None}):
+    with dask.config.set(WORKER_CONFIG):
         cluster = distributed.LocalCluster(**kwargs)
     try:
         client = distributed.Client(cluster, security=cluster.security)
