@@ -32,7 +32,7 @@ SCRIPTS = sorted(f for f in os.listdir(BENCH) if f.endswith(".py") and f != "com
 TABLE_ROW = {
     "accumulation.py": r"^ ?1 accumulate / fastest fwd-bwd\s+([\d.]+)",
     "backends.py": r"^numba\s+float32\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)",
-    "distributed.py": r"^\| wide MLP [^|]* \| ours, Dask sync \| ([\d.]+) \| ([\d.]+) \|",
+    "distributed.py": r"^\| wide MLP \| ours, Dask sync \| ([\d.]+) \| ([\d.]+) \|",
     "inplace.py": r"^NUMBA\s+float32\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)",
     "peers.py": r"^\s+1\s+([\d.]+)\s+([\d.]+)",
     "single_function.py": r"^NUMBA\s+([\d.]+)\s+([\d.]+)\s+lazy",
