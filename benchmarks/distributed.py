@@ -541,8 +541,9 @@ def transport_probe(client, n):
     process to the shard process, by each transport."""
     from lasagne_accum import adam
     from lasagne_accum.distributed.dask import DaskParameterServer
+    from lasagne_accum.distributed.dask.cluster import worker_addresses
 
-    first = sorted(client.scheduler_info()["workers"])[0]
+    first = worker_addresses(client)[0]
     params = initial_values("mlp")
     grads = {k: np.zeros_like(v) for k, v in params.items()}
     out = {}

@@ -364,3 +364,23 @@ def test_local_cluster_workers_keep_glibcs_allocator_default_and_do_not_profile(
     assert set(client.run(_environ, KEEP_GLIBC_DEFAULT).values()) == {None}
     assert set(client.run(_environ, "OMP_NUM_THREADS").values()) == {"1"}   # Dask's other
     assert set(client.run(_profiling).values()) == {False}
+
+
+def test_worker_addresses_do_not_come_from_the_clients_cache(client, monkeypatch):
+    """The client refreshes scheduler_info() in the background without the workers: a
+    refresh between the query and its return once made every trainer look lost."""
+    from lasagne_accum.distributed.dask import run
+    from lasagne_accum.distributed.dask.cluster import worker_addresses
+
+    addresses = worker_addresses(client)
+    assert len(addresses) == 2 and all(a.startswith("tcp://127.0.0.1:") for a in addresses)
+    monkeypatch.setattr(type(client), "scheduler_info", lambda self, **kw: {"workers": {}})
+    assert worker_addresses(client) == addresses
+
+    class Pending:                                   # a trainer's future, still running
+        def done(self):
+            return False
+
+    dead, lost = set(), []
+    run._find_dead(client, None, ["w0", "w1"], [Pending(), Pending()], addresses, dead, lost)
+    assert dead == set() and lost == []

@@ -267,6 +267,7 @@ def train(
                        saves=saver.count)
 
     from .dask import DaskParameterServer, connect, local_cluster, run_dask
+    from .dask.cluster import worker_addresses
 
     with contextlib.ExitStack() as stack:
         if client is None:
@@ -277,7 +278,7 @@ def train(
                 client = stack.enter_context(local_cluster(n, security=security))
                 client.wait_for_workers(n, timeout=wait_timeout)
         if server is None:
-            addresses = sorted(client.scheduler_info()["workers"])
+            addresses = worker_addresses(client)
             server = DaskParameterServer(client, _initial_params(build_model, model_kwargs),
                                          update_rule, rule_kwargs, shards=shards,
                                          workers=addresses[:shard_processes] or None,

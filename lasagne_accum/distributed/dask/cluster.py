@@ -9,7 +9,8 @@ import contextlib
 import logging
 import sys
 
-__all__ = ["local_cluster", "connect", "require_distributed", "unguarded_line"]
+__all__ = ["local_cluster", "connect", "require_distributed", "unguarded_line",
+           "worker_addresses"]
 
 KEEP_GLIBC_DEFAULT = "MALLOC_TRIM_THRESHOLD_"   # left unset in the worker processes we start
 
@@ -35,6 +36,17 @@ def require_distributed():
                           "pip install 'dask[distributed]' (or lasagne_accum[distributed])") \
             from None
     return distributed
+
+
+def worker_addresses(client):
+    """The addresses of the cluster's workers, sorted, asked of the scheduler now.
+
+    ``client.scheduler_info()["workers"]`` is not used: the client refreshes that dict in
+    the background with the worker list left out, and a refresh that lands between the
+    query and its return gives an empty list (every trainer would look lost). The
+    function sent is a lambda, pickled by value: the scheduler need not have this library.
+    """
+    return client.run_on_scheduler(lambda dask_scheduler: sorted(dask_scheduler.workers))
 
 
 def _is_main_test(test):

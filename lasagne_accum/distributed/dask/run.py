@@ -4,7 +4,7 @@ import time
 import uuid
 
 from ..worker import Worker, raise_worker_errors, worker_lists
-from .cluster import require_distributed
+from .cluster import require_distributed, worker_addresses
 from .transport import _links
 
 __all__ = ["run_dask"]
@@ -45,7 +45,7 @@ def _worker_task(server, worker_id, build_model, batches, accumulate, model_kwar
 
 def _trainer_addresses(client, server, n):
     """Where trainers run: workers without shards when there are enough of them, else all."""
-    addresses = sorted(client.scheduler_info()["workers"])
+    addresses = worker_addresses(client)
     free = [a for a in addresses if a not in set(getattr(server, "hosts", ()))]
     return free if len(free) >= n else addresses
 
@@ -129,7 +129,7 @@ def run_dask(server, client, build_model, worker_batches, *, accumulate=1, model
 
 def _find_dead(client, server, ids, futures, pinned, dead, lost):
     """Mark trainers whose worker process is gone; unregister them (sync rounds go on)."""
-    alive = set(client.scheduler_info()["workers"])
+    alive = set(worker_addresses(client))
     for k, (wid, f, address) in enumerate(zip(ids, futures, pinned)):
         if k in dead or f.done() or address in alive:
             continue
@@ -149,7 +149,7 @@ def _release_when_ready(distributed, client, ids, futures, barrier, pinned, dead
     index = {wid: k for k, wid in enumerate(ids)}
     end = time.monotonic() + barrier.timeout
     while waiting and time.monotonic() < end:
-        alive = set(client.scheduler_info()["workers"])
+        alive = set(worker_addresses(client))
         for wid, f in list(waiting.items()):
             if f.status in ("error", "cancelled", "finished") or \
                     pinned[index[wid]] not in alive or \

@@ -12,7 +12,7 @@ from ..server import BaseServer
 from . import actor as shard_process
 from . import listener
 from .actor import ShardActor
-from .cluster import require_distributed
+from .cluster import require_distributed, worker_addresses
 from .transport import GRACE, CommTransport, DirectTransport, _links, helper_thread
 
 __all__ = ["DaskParameterServer", "place"]
@@ -98,7 +98,7 @@ class DaskParameterServer(BaseServer):
         arrays = {n: np.array(p.get_value() if hasattr(p, "get_value") else p, copy=True)
                   for n, p in named.items()}
         self._setup(arrays, shards, options)
-        addresses = list(workers) if workers else sorted(client.scheduler_info()["workers"])
+        addresses = list(workers) if workers else worker_addresses(client)
         if not addresses:
             raise RuntimeError("the Dask cluster has no workers")
         self.placement = place(self.specs, self.plan, addresses)
