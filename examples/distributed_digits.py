@@ -89,6 +89,9 @@ def parse_args(argv=None):
                    help="hidden units of the MLP")
     p.add_argument("--address", default=None,
                    help="dask: scheduler address (default: start a loopback LocalCluster)")
+    p.add_argument("--shard-processes", type=int, default=1, metavar="N",
+                   help="dask: processes that hold the shards and run no trainer (0: the "
+                        "shards beside the trainers)")
     p.add_argument("--tls", action="store_true",
                    help="dask LocalCluster with a temporary TLS certificate "
                         "(needs the cryptography package)")
@@ -101,6 +104,8 @@ def parse_args(argv=None):
         p.error("--staleness-scale applies to --mode async")
     if (args.address or args.tls) and args.backend != "dask":
         p.error("--address and --tls apply to --backend dask")
+    if args.shard_processes < 0:
+        p.error("--shard-processes must be >= 0")
     return args
 
 
@@ -121,7 +126,8 @@ def main(argv=None):
     result = train(build_model, data, getattr(rules, args.optimizer), rule_kwargs,
                    mode=args.mode, backend=args.backend, accumulate=args.accumulate,
                    staleness_scale=args.staleness_scale, model_kwargs={"hidden": args.hidden},
-                   address=args.address, security=security)
+                   address=args.address, security=security,
+                   shard_processes=args.shard_processes)
     total = time.perf_counter() - start
 
     (x, yv), params, loss, logits = mlp(args.hidden)

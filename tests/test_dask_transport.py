@@ -70,7 +70,7 @@ def _abort_comms_from(peers, dask_worker):
 
 def _abort_direct_links(dask_worker):
     """Abort every direct link this worker's listener serves; how many."""
-    from lasagne_accum.distributed.direct import listener_of
+    from lasagne_accum.distributed.dask.listener import listener_of
 
     return listener_of(dask_worker).abort_links()
 
@@ -109,20 +109,20 @@ def test_push_on_a_comm_closed_under_it_is_resent_and_applied_once(client, serve
     g = {"w": np.ones(3), "b": np.ones(1)}
     assert server.push("a", 0, g, version=version)["applied"]
     # the shard processes drop this thread's persisted comms while they are idle
-    from lasagne_accum.distributed.dask import _links
+    from lasagne_accum.distributed.dask.transport import _links
 
-    mine = [c.local_address for c in _links.comms.values()]
+    mine = [c.local_address for c in _links.links.values()]
     if server.transport == "direct":
-        assert all(isinstance(k, tuple) for k in _links.comms)      # no Dask comm used
+        assert all(isinstance(k, tuple) for k in _links.links)      # no Dask comm used
         closed = client.run(_abort_direct_links, workers=server.hosts)
     else:
-        assert all(isinstance(k, str) for k in _links.comms)
+        assert all(isinstance(k, str) for k in _links.links)
         closed = client.run(_abort_comms_from, mine, workers=server.hosts)
     assert sum(closed.values()) >= 2
     time.sleep(0.2)
     r = server.push("a", 1, g, version=(1, 1))
     assert r["applied"] and not r["duplicate"] and r["version"] == (2, 2)
-    assert not set(c.local_address for c in _links.comms.values()) & set(mine)   # new comms
+    assert not set(c.local_address for c in _links.links.values()) & set(mine)   # new comms
     again = server.push("a", 1, g, version=(1, 1))           # the same id: not twice
     assert again["duplicate"] and not again["applied"] and again["version"] == (2, 2)
     _, params = server.pull()
@@ -158,7 +158,7 @@ def test_calls_from_a_thread_running_an_event_loop(client, server):
 
 @pytest.mark.parametrize("transport", ["direct", "dask"])
 def test_released_shards_raise_shard_lost_within_the_timeout(client, transport):
-    from lasagne_accum.distributed.dask import _links
+    from lasagne_accum.distributed.dask.transport import _links
 
     server = _server(client, wait_timeout=2.0, transport=transport)
     server.register("a")
@@ -170,12 +170,12 @@ def test_released_shards_raise_shard_lost_within_the_timeout(client, transport):
         copy.pull()
     assert time.monotonic() - start < 2.0 + 5.0
     if transport == "direct":         # its links were the released shards': none left open
-        assert not any(k in _links.comms for k in copy._link_keys())
+        assert not any(k in _links.links for k in copy._link_keys())
 
 
 @pytest.mark.parametrize("transport", ["direct", "dask"])
 def test_a_closed_server_refuses_calls_at_once(client, transport):
-    from lasagne_accum.distributed.dask import _links
+    from lasagne_accum.distributed.dask.transport import _links
 
     server = _server(client, transport=transport)
     server.register("a")
@@ -187,36 +187,36 @@ def test_a_closed_server_refuses_calls_at_once(client, transport):
             call()
     # refused before any link is opened: the actors may not be released yet, and a new
     # link to a process that still holds them would stay open in this thread
-    assert not any(k in _links.comms for k in server._link_keys())
+    assert not any(k in _links.links for k in server._link_keys())
 
 
 def test_shards_released_under_an_open_direct_link_drop_it(client):
-    from lasagne_accum.distributed.dask import _links
+    from lasagne_accum.distributed.dask.transport import _links
 
     server = _server(client, wait_timeout=2.0)
     server.register("a")                          # this thread's links are open now
     keys = server._link_keys()
-    assert all(k in _links.comms for k in keys)
+    assert all(k in _links.links for k in keys)
     for f in server._futures:                     # the actors go, the links stay open
         f.release()
     server._futures = []                          # (close() would drop the links too)
     _wait_released(client, server)
-    assert all(k in _links.comms for k in keys)   # still open
+    assert all(k in _links.links for k in keys)   # still open
     with pytest.raises(ShardLostError, match="lost.*restart from a checkpoint"):
         server.pull()                             # both processes answer: no such shards
-    assert not any(k in _links.comms for k in keys)
+    assert not any(k in _links.links for k in keys)
     server.close()
 
 
 def test_direct_links_of_an_ended_thread_are_closed(client):
-    from lasagne_accum.distributed.dask import _links
+    from lasagne_accum.distributed.dask.transport import _links
 
     server = _server(client)
     sockets = []
 
     def call():                       # a short-lived thread: its links are its own
         server.pull()
-        sockets.extend(link._sock for link in _links.comms.values())
+        sockets.extend(link._sock for link in _links.links.values())
 
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -257,49 +257,49 @@ def _token_answer(address, token):
 
 
 def test_direct_listener_admits_only_the_servers_token(client):
-    from lasagne_accum.distributed.dask import _links
+    from lasagne_accum.distributed.dask.transport import _links
 
     server = _server(client)
     other = _server(client)          # same processes, same listeners, another token
     try:
-        assert server.transport == "direct" and None not in server._direct
-        assert server._direct == other._direct and server._token != other._token
-        for address in server._direct:
+        token, addresses = server._transport.token, server._transport.addresses
+        assert server.transport == "direct" and len(addresses) == 2
+        assert addresses == other._transport.addresses and token != other._transport.token
+        for address in addresses:
             assert address[0] == "127.0.0.1"
             assert _token_answer(address, os.urandom(16)) == b"\x00"    # refused, closed
             assert _token_answer(address, b"x") == b""                # too short: closed
-            assert _token_answer(address, server._token) == b"\x01"    # admitted
-            with socket.create_connection(address, timeout=10) as sock:
-                sock.sendall(server._token + (1 << 40).to_bytes(8, "little") + b"junk")
-                assert sock.recv(1) == b"\x01"                        # admitted
+            answer = _token_answer(address, token)                    # admitted, and the
+            assert answer[:1] == b"\x01" and len(answer) == 9         # largest request
+            assert int.from_bytes(answer[1:], "little") >= 4 << 20
         server.register("a")
         other.register("a")
         r = server.push("a", 0, {"w": np.ones(3), "b": np.ones(1)}, version=(0, 0), pull=True)
         np.testing.assert_array_equal(r["params"]["w"], -np.ones(3))
         _, params = other.pull()                   # the other server's shards: untouched
         np.testing.assert_array_equal(params["w"], np.zeros(3))
-        tokens = {k[2] for k in _links.comms if isinstance(k, tuple)}
-        assert {server._token, other._token} <= tokens
+        tokens = {k[2] for k in _links.links if isinstance(k, tuple)}
+        assert {server._transport.token, other._transport.token} <= tokens
     finally:
         server.close()
         other.close()
     _wait_released(client, server)
-    for address in server._direct:   # the released server's token: refused
-        assert _token_answer(address, server._token) == b"\x00"
+    for address in addresses:                      # the released server's token: refused
+        assert _token_answer(address, token) == b"\x00"
 
 
 def test_no_direct_socket_falls_back_to_dask_comms_with_a_warning(client, monkeypatch):
-    from lasagne_accum.distributed import dask
+    from lasagne_accum.distributed.dask import actor
 
     def unbindable(dask_worker):          # as a contact address that is not this machine's
         return "OSError: [Errno 99] Cannot assign requested address"
 
-    monkeypatch.setattr(dask, "_listen", unbindable)
+    monkeypatch.setattr(actor, "_listen", unbindable)
     with pytest.warns(RuntimeWarning, match="direct links unavailable, using Dask comms.*"
                                             "Cannot assign requested address"):
         server = _server(client)
     try:
-        assert server.transport == "dask" and server._direct == [None, None]
+        assert server.transport == "dask" and not hasattr(server._transport, "token")
         server.register("a")
         r = server.push("a", 0, {"w": np.ones(3), "b": np.ones(1)}, version=(0, 0), pull=True)
         np.testing.assert_array_equal(r["params"]["w"], -np.ones(3))
@@ -308,14 +308,14 @@ def test_no_direct_socket_falls_back_to_dask_comms_with_a_warning(client, monkey
 
 
 def test_listen_reports_a_socket_it_cannot_open():
-    from lasagne_accum.distributed import dask
+    from lasagne_accum.distributed.dask import actor
 
     class Worker:                          # what the listener reads of a distributed.Worker
         address = "tcp://192.0.2.1:4000"   # TEST-NET-1: never this machine's
         state = type("State", (), {"actors": {}})()
         loop = None
 
-    assert dask._listen(Worker()).startswith("OSError")
+    assert actor._listen(Worker()).startswith("OSError")
 
 
 def test_transport_is_checked(client):
@@ -325,7 +325,8 @@ def test_transport_is_checked(client):
 
 @pytest.mark.parametrize("transport", ["direct", "dask"])
 def test_shard_comms_use_the_clusters_tls(transport):
-    from lasagne_accum.distributed.dask import _links, local_cluster
+    from lasagne_accum.distributed.dask import local_cluster
+    from lasagne_accum.distributed.dask.transport import _links
 
     with local_cluster(2, security=True) as tls_client:
         server = _server(tls_client, transport=transport)
@@ -337,9 +338,49 @@ def test_shard_comms_use_the_clusters_tls(transport):
             _, params = server.pull()                     # from the client's process
             np.testing.assert_array_equal(params["w"], -3 * np.ones(3))
             if transport == "direct":
-                links = [_links.comms[k] for k in server._link_keys()]
+                links = [_links.links[k] for k in server._link_keys()]
                 assert all(isinstance(link._sock, ssl.SSLSocket) for link in links)
                 # the token in plain TCP: the TLS handshake fails and the link is closed
-                assert _token_answer(server._direct[0], server._token) == b""
+                assert _token_answer(server._transport.addresses[0],
+                                     server._transport.token) == b""
         finally:
             server.close()
+
+
+def _environ(name):
+    return os.environ.get(name)
+
+
+def _profiling(dask_worker):
+    return "profile" in dask_worker.periodic_callbacks
+
+
+def test_local_cluster_workers_keep_glibcs_allocator_default_and_do_not_profile(client):
+    """Dask's MALLOC_TRIM_THRESHOLD_ would make every large array fresh pages, each time; its
+    profiler would take the GIL from a trainer every 10 ms."""
+    from lasagne_accum.distributed.dask.cluster import KEEP_GLIBC_DEFAULT
+
+    assert KEEP_GLIBC_DEFAULT == "MALLOC_TRIM_THRESHOLD_"
+    assert set(client.run(_environ, KEEP_GLIBC_DEFAULT).values()) == {None}
+    assert set(client.run(_environ, "OMP_NUM_THREADS").values()) == {"1"}   # Dask's other
+    assert set(client.run(_profiling).values()) == {False}
+
+
+def test_worker_addresses_do_not_come_from_the_clients_cache(client, monkeypatch):
+    """The client refreshes scheduler_info() in the background without the workers: a
+    refresh between the query and its return once made every trainer look lost."""
+    from lasagne_accum.distributed.dask import run
+    from lasagne_accum.distributed.dask.cluster import worker_addresses
+
+    addresses = worker_addresses(client)
+    assert len(addresses) == 2 and all(a.startswith("tcp://127.0.0.1:") for a in addresses)
+    monkeypatch.setattr(type(client), "scheduler_info", lambda self, **kw: {"workers": {}})
+    assert worker_addresses(client) == addresses
+
+    class Pending:                                   # a trainer's future, still running
+        def done(self):
+            return False
+
+    dead, lost = set(), []
+    run._find_dead(client, None, ["w0", "w1"], [Pending(), Pending()], addresses, dead, lost)
+    assert dead == set() and lost == []

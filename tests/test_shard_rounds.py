@@ -179,3 +179,27 @@ def test_seen_compacts():
     for seq in [3, 0, 2, 1]:
         s.add(seq)
     assert s.floor == 3 and s.above == set()
+
+
+def test_waiters_of_one_round_share_one_read_only_copy():
+    from lasagne_accum import sgd
+    from lasagne_accum.distributed.shard import Shard
+
+    shard = Shard("w", {"w": np.zeros(3)}, sgd, dict(learning_rate=1.0), mode="sync",
+                  compile_mode="FAST_COMPILE")
+    for wid in ("a", "b"):
+        shard.register(wid)
+    rid = shard.push("a", 0, {"w": np.ones(3)}, weight=1.0, version=0)["round"]
+    shard.push("b", 0, {"w": 3 * np.ones(3)}, weight=1.0, version=0)
+    first = shard.wait_round(rid, pull=True, shared=True)["params"]["w"]
+    second = shard.wait_round(rid, pull=True, shared=True)["params"]["w"]
+    own = shard.wait_round(rid, pull=True)["params"]["w"]
+    assert first is second and not first.flags.writeable
+    assert own is not first and own.flags.writeable
+    np.testing.assert_array_equal(first, -2 * np.ones(3))       # the mean, one step
+    shard.push("a", 1, {"w": np.ones(3)}, weight=1.0, version=1)
+    rid = shard.push("b", 1, {"w": np.ones(3)}, weight=1.0, version=1)["round"]
+    after = shard.wait_round(rid, pull=True, shared=True)["params"]["w"]
+    assert after is not first
+    np.testing.assert_array_equal(after, -3 * np.ones(3))
+    np.testing.assert_array_equal(first, -2 * np.ones(3))       # the old one unchanged

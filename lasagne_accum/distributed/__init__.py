@@ -17,9 +17,9 @@ cuts the traffic N times) and push them.
   it.
 
 Backends: ``"local"`` (threads in this process, no dependency) and
-``"dask"`` (shards as Dask actors, workers as Dask tasks; a loopback
-``LocalCluster`` of processes unless you give an address). :func:`train`
-runs the same code on both.
+``"dask"`` (shards as Dask actors in processes of their own, workers as Dask
+tasks; a loopback ``LocalCluster`` of processes unless you give an address).
+:func:`train` runs the same code on both.
 """
 
 from __future__ import annotations
@@ -159,6 +159,7 @@ def train(
     client: Any = None,
     security: Any = None,
     n_dask_workers: int | None = None,
+    shard_processes: int = 1,
     keep_log: bool = False,
     wait_timeout: float = 600.0,
     checkpoint_every: float | None = None,
@@ -204,7 +205,18 @@ def train(
         Dask only: a scheduler address to connect to (with an optional
         ``distributed.security.Security``), or a Client to use; otherwise a
         loopback ``LocalCluster`` of `n_dask_workers` processes (default:
-        one per worker) is started and closed.
+        one per worker plus `shard_processes`) is started and closed. A
+        script that starts it calls ``train`` under ``if __name__ ==
+        "__main__":`` (the worker processes import the script); without the
+        guard, ``train`` raises a RuntimeError that says so.
+    shard_processes : int
+        Dask only: how many worker processes hold the shards and run no
+        trainer (default 1: a process's event loop answers other trainers
+        only between its own trainer's compiled calls, which hold the GIL).
+        The first `shard_processes` workers (by address) hold them; the
+        trainers run on the others, or on all workers where there are not
+        enough others. 0 places the shards on every worker, beside the
+        trainers.
 
     Returns
     -------
@@ -222,6 +234,9 @@ def train(
             raise ValueError(f"n_workers={n_workers} but {len(per)} batch lists")
     if not per:
         raise ValueError("no workers: worker_batches is empty")
+    if isinstance(shard_processes, bool) or not isinstance(shard_processes, int) \
+            or shard_processes < 0:
+        raise ValueError(f"shard_processes must be an integer >= 0, got {shard_processes!r}")
     if checkpoint_every is not None:
         if checkpoint_to is None:
             raise ValueError("checkpoint_every= needs checkpoint_to= (the file to save to)")
@@ -252,17 +267,21 @@ def train(
                        saves=saver.count)
 
     from .dask import DaskParameterServer, connect, local_cluster, run_dask
+    from .dask.cluster import worker_addresses
 
     with contextlib.ExitStack() as stack:
         if client is None:
             if address is not None:
                 client = stack.enter_context(connect(address, security=security))
             else:
-                client = stack.enter_context(
-                    local_cluster(n_dask_workers or len(per), security=security))
+                n = n_dask_workers or len(per) + shard_processes
+                client = stack.enter_context(local_cluster(n, security=security))
+                client.wait_for_workers(n, timeout=wait_timeout)
         if server is None:
+            addresses = worker_addresses(client)
             server = DaskParameterServer(client, _initial_params(build_model, model_kwargs),
                                          update_rule, rule_kwargs, shards=shards,
+                                         workers=addresses[:shard_processes] or None,
                                          options=options)
             stack.callback(server.close)
         if resume_from is not None:

@@ -262,8 +262,13 @@ def _describe(x):
     return type(x).__name__ if not hasattr(x, "dtype") else f"{x.dtype} array"
 
 
-def check_grads(grads, specs, where, check_finite=True):
-    """Validate ``{name: array}`` against ``{name: (shape, dtype)}``; return one copy each, in spec order."""
+def check_grads(grads, specs, where, check_finite=True, copy=True):
+    """Validate ``{name: array}`` against ``{name: (shape, dtype)}``; the arrays in spec order.
+
+    With `copy` (the default) each is a copy, the only one on the way in;
+    without, a C-contiguous array (the caller's own where it is one), for a
+    server that sends the push away at once.
+    """
     if not isinstance(grads, Mapping):
         raise PushRejected(f"{where}: grads must be a dict {{parameter name: array}}, got "
                            f"{type(grads).__name__}")
@@ -289,7 +294,7 @@ def check_grads(grads, specs, where, check_finite=True):
                                f"parameter {shape}")
         if check_finite and not np.all(np.isfinite(g)):
             raise PushRejected(f"{where}: gradient for {name!r} has NaN or inf values")
-        out.append(np.array(g, copy=True))        # the only copy on the way in
+        out.append(np.array(g, copy=True) if copy else np.ascontiguousarray(g))
     return out
 
 

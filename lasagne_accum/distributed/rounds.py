@@ -15,6 +15,7 @@ import numpy as np
 
 from .checks import PushRejected, RoundFailedError, RoundTimeoutError, StalePushError, \
     UnknownWorkerError
+from .merge import merge
 
 __all__ = ["Rounds", "Seen"]
 
@@ -88,6 +89,7 @@ class Rounds:
         self.staleness = {}
         self.log = []
         self.listeners = []          # callables(round id), called when a round ends
+        self._scratch = {}           # param index -> the merge's buffers, kept between rounds
 
     @property
     def where(self):
@@ -202,22 +204,18 @@ class Rounds:
         return bool(self.pending) and all(w in self.pending for w in self.live)
 
     def merged(self):
-        """``(order, total weight, arrays)`` of the open round: the weighted mean or the sum."""
+        """``(order, total weight, arrays)`` of the open round: the weighted mean or the sum.
+
+        The arrays are valid until the next call (the merge reuses its buffers).
+        """
         order = sorted(self.pending, key=str)
         total = sum(self.pending[w][2] for w in order)
         mean = self.options.merge == "mean"
-        out = []
-        for i, (shape, dtype) in enumerate(self.specs.values()):
-            acc = np.zeros(shape, np.float64)
-            for w in order:
-                _, arrays, weight = self.pending[w]
-                if mean:
-                    acc += weight * arrays[i].astype(np.float64)
-                else:
-                    acc += arrays[i]
-            if mean:
-                acc /= total
-            out.append(acc.astype(dtype))
+        weights = [self.pending[w][2] for w in order]
+        # in float64, in a fixed order: the same bits whatever the arrival order
+        out = [merge([self.pending[w][1][i] for w in order], weights, total, dtype, mean,
+                     scratch=self._scratch.setdefault(i, {}))
+               for i, (_, dtype) in enumerate(self.specs.values())]
         return order, total, out
 
     def close_round(self, timed_out):

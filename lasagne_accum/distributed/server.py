@@ -38,6 +38,8 @@ class BaseServer:
     ``_note_rejected()`` (count one rejected push).
     """
 
+    _copy_grads = True        # a push's arrays are copied when checked (a server keeps them)
+
     # implemented by the subclasses
     _call: Callable[..., list[Any]]
     _push: Callable[..., list[Any]]
@@ -149,7 +151,7 @@ class BaseServer:
             specs = self._shard_specs[i]
             where = f"shard {self.shard_names[i]!r}"
             arrays = check_grads({n: grads[n] for n in specs if n in grads}, specs, where,
-                                 self.options.check_finite)
+                                 self.options.check_finite, copy=self._copy_grads)
             calls.append((worker_id, seq, arrays, weight,
                           check_version(version[i], f"{where} (version[{i}])")))
         return idx, calls
@@ -316,6 +318,11 @@ class BaseServer:
 
     closed = False
 
+    def last_timing(self) -> dict[str, float] | None:
+        """Where this thread's last call spent its time, for servers that send messages
+        (``{"serialise", "shard", "round"}`` seconds); None for the in-process server."""
+        return None
+
     def close(self) -> None:
         """Close the server: later calls on it raise ``ServerClosedError``.
 
@@ -398,8 +405,9 @@ class ParameterServer(BaseServer):
     def _push(self, indices, calls, pull, wait):
         self._check_open()
         shards = [self.shards[i] for i in indices]
-        results = push_atomic(shards, calls, pull=pull)
-        if self.mode != "sync" or not wait:
+        waits = self.mode == "sync" and wait      # the round's result brings the params
+        results = push_atomic(shards, calls, pull=pull and not waits)
+        if not waits:
             return results
         out = []
         for shard, r in zip(shards, results):

@@ -23,11 +23,12 @@ import pytensor.tensor as pt
 from pytensor.compile.sharedvalue import SharedVariable
 
 from ..checkpoint import collect_state
-from ..modes import default_modes, mode as la_mode
 from .._checks import check_rule_updates
+from . import merge
 from .checks import PushRejected, ServerOptions, ServerTimeoutError, check_grads, \
     check_seq, check_version, check_weight, check_worker_id, learning_rate_kind, \
     named_params, param_specs
+from .compiling import compile_function
 from .rounds import Rounds
 
 if TYPE_CHECKING:
@@ -79,8 +80,8 @@ class ApplyFunction:
                 # shard-level state (adam.t): one per shard, named after it
                 var.name = f"{shard_name}/{var.name or f'state{i}'}"
         self.updates = OrderedDict(updates)
-        mode = la_mode(compile_mode or default_modes()[1])
-        self._fn = pytensor.function(grads + [factor], [], updates=self.updates, mode=mode)
+        self._fn = compile_function(grads + [factor], [], self.updates, compile_mode,
+                                    role="apply")
         self._warm_up()
 
     def _warm_up(self):
@@ -169,6 +170,8 @@ class Shard:
         self.lock = threading.Lock()
         self._cond = threading.Condition(self.lock)
         self.book = Rounds(name, self.specs, self.options, self.fn)
+        if self.options.mode == "sync":      # compiled now, not when the first round closes
+            merge.warm_up(dtype for _, dtype in self.specs.values())
         self.book.listeners.append(lambda rid: self._cond.notify_all())
 
     # ---------------------------------------------------------------- workers
@@ -203,6 +206,20 @@ class Shard:
 
     def _copy(self):
         return {n: p.get_value(borrow=False) for n, p in self.params.items()}
+
+    _loads = 0                 # load() calls: with the version, what a shared copy is of
+    _shared = None             # ((version, loads), {name: read-only copy})
+
+    def _shared_copy(self):
+        """A read-only copy of the parameters, made once per version and handed to every
+        caller that asks for that version (the waiters of one sync round)."""
+        key = (self.book.version, self._loads)
+        if self._shared is None or self._shared[0] != key:
+            arrays = self._copy()
+            for a in arrays.values():
+                a.flags.writeable = False
+            self._shared = (key, arrays)
+        return dict(self._shared[1])
 
     # ---------------------------------------------------------------- push
 
@@ -269,6 +286,7 @@ class Shard:
         timeout: float | None = None,
         blocking: bool = True,
         pull: bool = False,
+        shared: bool = False,
     ) -> dict[str, Any] | None:
         """Wait for sync round `round_id` to close; return its result.
 
@@ -284,6 +302,9 @@ class Shard:
             False: return None at once if another thread holds the lock.
         pull : bool
             Also return the parameters (``params``) with the current ``version``.
+        shared : bool
+            With `pull`: read-only arrays that every caller of this version
+            shares (for callers that only send them on), instead of a copy each.
 
         Returns
         -------
@@ -309,7 +330,7 @@ class Shard:
                 if result is not None:
                     if pull:
                         result["version"] = self.book.version
-                        result["params"] = self._copy()
+                        result["params"] = self._shared_copy() if shared else self._copy()
                     return result
                 left = end - time.monotonic()
                 if timeout == 0:
@@ -396,6 +417,7 @@ class Shard:
             for n, var in named.items():
                 var.set_value(np.array(arrays[n], copy=True))
             self.book.load_counters(counters, seen)
+            self._loads += 1
             self._cond.notify_all()
             return expected
 

@@ -9,12 +9,11 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import numpy as np
-import pytensor
 
 from ..accumulate import accumulate_gradients
-from ..modes import default_modes, mode as la_mode
 from .._checks import check_int
 from .checks import check_worker_id, param_specs
+from .compiling import compile_function
 
 if TYPE_CHECKING:
     from .server import BaseServer
@@ -113,18 +112,21 @@ class Worker:
                                  f"{server.specs[n]} on the server")
         self.params = OrderedDict(zip(names, params))
         acc = accumulate_gradients(loss, params, weight=weight)
-        acc_mode, read_mode = (compile_mode, compile_mode) if compile_mode else default_modes()
-        self._step = pytensor.function(inputs, loss, updates=acc.accumulate,
-                                       mode=la_mode(acc_mode))
-        self._read = pytensor.function([], list(acc.grads) + [acc.total], updates=acc.reset,
-                                       mode=la_mode(read_mode))
+        self._step = compile_function(inputs, loss, acc.accumulate, compile_mode,
+                                      role="accumulate")
+        self._read = compile_function([], list(acc.grads) + [acc.total], acc.reset,
+                                      compile_mode, role="apply")
         self.compile_seconds = time.perf_counter() - start
         self.seq = 0
         self.version: tuple[int | None, ...] | None = None
 
     def _set(self, values):
+        # a server's reply is this worker's own (fresh arrays, or views of the message it
+        # received): kept as it is where it is writeable, copied where it is not
         for n, v in values.items():
-            self.params[n].set_value(_aligned(v))
+            v = _aligned(v)
+            borrow = isinstance(v, np.ndarray) and v.flags.writeable and v.flags.c_contiguous
+            self.params[n].set_value(v, borrow=borrow)
 
     def run(
         self,
@@ -142,13 +144,19 @@ class Worker:
         (a barrier, so that timed runs start together). Returns a report:
         pushes, batches, examples, bytes pushed, ``losses`` as ``(wall time,
         loss, examples)``, ``staleness`` per push, start and end wall times,
+        ``compute_s`` (seconds in the compiled gradient and read functions),
         ``server_s`` (seconds spent in push calls: transfer, waiting for the
-        round, applying) and ``push_s`` (each push call's seconds).
+        round, applying), ``push_s`` (each push call's seconds) and, for a
+        server that sends messages, ``parts``: the push calls' seconds
+        encoding and decoding here (``serialise``), in the shard processes
+        (``shard``) and waiting there for sync rounds (``round``); the rest
+        is the transport.
         The worker unregisters at the end, also when it fails.
         """
         report: dict[str, Any] = dict(
             worker=self.worker_id, pushes=0, batches=0, examples=0.0, bytes=0, duplicates=0,
             losses=[], staleness=[], compile_s=self.compile_seconds, server_s=0.0, push_s=[],
+            compute_s=0.0, parts=dict(serialise=0.0, shard=0.0, round=0.0),
         )
         try:
             if register:
@@ -168,7 +176,9 @@ class Worker:
             report["t_start"] = time.time()
             window = 0
             for batch in batches:
+                begin = time.perf_counter()
                 loss = self._step(*batch)
+                report["compute_s"] += time.perf_counter() - begin
                 report["losses"].append((time.time(), float(loss), len(batch[0])))
                 report["batches"] += 1
                 window += 1
@@ -187,14 +197,20 @@ class Worker:
         return report
 
     def _push(self, report):
+        begin = time.perf_counter()
         *grads, total = self._read()
         grads = OrderedDict((n, np.asarray(g)) for n, g in zip(self.params, grads))  # no copy
         start = time.perf_counter()
+        report["compute_s"] += start - begin
         result = self.server.push(self.worker_id, self.seq, grads, weight=float(total),
                                   version=self.version, pull=True)
         elapsed = time.perf_counter() - start
         report["server_s"] += elapsed
         report["push_s"].append(elapsed)
+        timing = self.server.last_timing()
+        if timing is not None:
+            for part, seconds in timing.items():
+                report["parts"][part] += seconds
         self.seq += 1
         report["pushes"] += 1
         report["examples"] += float(total)
