@@ -685,7 +685,7 @@ def test_blocking_calls_time_out_with_a_clear_error():
     with pytest.raises(ServerTimeoutError, match=r"waited 0.5 s for sync round 0.*'silent'"):
         server.push("a", 0, {"w": np.ones(2)}, version=(0,))
     assert 0.45 < time.monotonic() - start < 5
-    with pytest.raises(ValueError, match="wait_timeout must be a number of seconds > 0"):
+    with pytest.raises(ValueError, match=r"wait_timeout must be > 0, got .* \(a number of seconds\)"):
         ParameterServer({"w": np.zeros(2)}, sgd, dict(learning_rate=1.0), wait_timeout=0)
 
 
@@ -857,3 +857,53 @@ def test_dask_simultaneous_identical_pushes_exactly_one_applied(dask_client):
         assert server.stats()["version"] == (15, 15) and server.stats()["rejected"] == 1
     finally:
         server.close()
+
+
+# ------------------------------------------------------------------ averages on the server
+
+
+def _averaged_reference(batches, lr, ma_kwargs, ema_kwargs):
+    """Single-process SGD with ModelAverage and EMA over the same steps (one per batch)."""
+    import lasagne_accum as la
+
+    inputs, loss, params = build_model()
+    upd = la.sgd(loss, params, lr)
+    ma = la.ModelAverage(params, updates=upd, **ma_kwargs)
+    ema = la.ExponentialMovingAverage(params, updates=upd, **ema_kwargs)
+    f = pytensor.function(inputs, loss, updates=la.merge_updates(upd, ma.updates, ema.updates))
+    for batch in batches:
+        f(*batch)
+    names = [p.name for p in params]
+    return dict(zip(names, ma.averages())), dict(zip(names, ema.averages()))
+
+
+@pytest.mark.parametrize("backend, mode", [("local", "sync"), ("local", "async"),
+                                           ("dask", "sync")])
+def test_server_keeps_the_averages_of_a_single_process_run(backend, mode, tmp_path):
+    """One worker, one batch per push: every push is an optimizer step of every shard, so
+    the server's averages equal ModelAverage / EMA of a single-process run (1e-12)."""
+    if backend == "dask":
+        pytest.importorskip("distributed")
+    batches = batches_for(5, [4, 3, 4, 2, 4, 4, 1, 3, 2])
+    ma_kwargs = dict(average_window_rate=0.5, min_average_window=2, max_average_window=4)
+    ema_kwargs = dict(decay=0.8)
+    result = train(build_model, [batches], sgd, dict(learning_rate=0.1), mode=mode,
+                   backend=backend, model_average=ma_kwargs, ema=ema_kwargs,
+                   checkpoint_to=tmp_path / "server.npz")
+    want_ma, want_ema = _averaged_reference(batches, 0.1, ma_kwargs, ema_kwargs)
+    assert set(result.averaged_params) == set(want_ma) == set(result.params)
+    for name in want_ma:
+        np.testing.assert_allclose(result.averaged_params[name], want_ma[name], rtol=1e-12,
+                                   atol=1e-14, err_msg=name)
+        np.testing.assert_allclose(result.ema_params[name], want_ema[name], rtol=1e-12,
+                                   atol=1e-14, err_msg=name)
+    saved = np.load(tmp_path / "server.npz").files   # the averages are in the checkpoint
+    assert any("model_average" in n for n in saved) and any(n.endswith(".ema") for n in saved)
+
+
+def test_server_average_arguments_are_checked():
+    with pytest.raises(TypeError, match="model_average must be a dict"):
+        train(build_model, [batches_for(1, [2])], sgd, dict(learning_rate=0.1), model_average=0.5)
+    with pytest.raises(TypeError, match="ema: updates are the server's to set"):
+        train(build_model, [batches_for(1, [2])], sgd, dict(learning_rate=0.1),
+              ema=dict(decay=0.9, updates={}))

@@ -78,6 +78,9 @@ class TrainResult:
         ``reason``); training went on without them.
     checkpoints : int
         Checkpoints written during training (`checkpoint_every`).
+    averaged_params, ema_params : dict
+        With ``train(model_average=...)`` / ``train(ema=...)``: the averages the
+        server kept, ``{name: array}`` (empty without them).
     """
 
     params: dict
@@ -90,6 +93,8 @@ class TrainResult:
     server: object = None
     lost_workers: list = field(default_factory=list)
     checkpoints: int = 0
+    averaged_params: dict = field(default_factory=dict)
+    ema_params: dict = field(default_factory=dict)
 
     @property
     def pushes(self) -> int:
@@ -163,6 +168,8 @@ def train(
     keep_log: bool = False,
     wait_timeout: float = 600.0,
     checkpoint_every: float | None = None,
+    model_average: Mapping[str, Any] | None = None,
+    ema: Mapping[str, Any] | None = None,
 ) -> TrainResult:
     """Train with a parameter server and one worker per batch list; same code on both backends.
 
@@ -193,6 +200,12 @@ def train(
         Record ``(time, version, params)`` every this many seconds.
     resume_from, checkpoint_to : path, optional
         Load the server's state before training; save it after.
+    model_average, ema : dict, optional
+        Keyword arguments of :class:`lasagne_accum.ModelAverage` /
+        :class:`lasagne_accum.ExponentialMovingAverage`: the server keeps the
+        average of the parameters, advanced at every optimizer step of every
+        shard (sync and async, both backends), saved in its checkpoints;
+        ``TrainResult.averaged_params`` / ``.ema_params`` hold it at the end.
     checkpoint_every : float, optional
         Also save to `checkpoint_to` every this many seconds while training
         runs (atomic, through :func:`lasagne_accum.checkpoint.save_arrays`; both
@@ -247,7 +260,7 @@ def train(
     options = ServerOptions(mode=mode, merge=merge, staleness_scale=staleness_scale,
                             round_timeout=round_timeout, on_timeout=on_timeout,
                             compile_mode=compile_mode, keep_log=keep_log,
-                            wait_timeout=wait_timeout)
+                            wait_timeout=wait_timeout, model_average=model_average, ema=ema)
     run: dict[str, Any] = dict(
         accumulate=accumulate, model_kwargs=model_kwargs, compile_mode=compile_mode,
         snapshot_interval=snapshot_interval,
@@ -336,6 +349,9 @@ def _finish(server, reports, history, backend, checkpoint_to, keep, lost=(), sav
     if checkpoint_to is not None:
         server.save(checkpoint_to)
     version, params = server.pull()
+    averages = server.averages()
     return TrainResult(params=params, version=version, stats=server.stats(), workers=reports,
                        history=history, backend=backend, mode=server.mode, server=keep,
-                       lost_workers=list(lost), checkpoints=saves)
+                       lost_workers=list(lost), checkpoints=saves,
+                       averaged_params=averages.get("model_average", {}),
+                       ema_params=averages.get("ema", {}))

@@ -9,10 +9,13 @@ import math
 import numbers
 from collections import OrderedDict
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Variable
+
+from .._checks import check_number
 
 # The public names, re-exported by lasagne_accum.distributed (MODES, MERGES: by name).
 __all__ = [
@@ -68,14 +71,22 @@ class ServerClosedError(RuntimeError):
     """A call on a server after its ``close()`` (a Dask server's shards are released then)."""
 
 
+def _number(value, name, what, error=ValueError, **bounds):
+    """:func:`~lasagne_accum._checks.check_number`, its refusal re-raised as `error`.
+
+    The message says what the number is (`what`), after the checker's own.
+    """
+    try:
+        return check_number(value, name, **bounds)
+    except (TypeError, ValueError) as exc:
+        raise error(f"{exc} ({what})") from None
+
+
 def _check_seconds(value, name, allow_none=True):
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
-            or not value > 0 or not math.isfinite(value):
-        raise ValueError(f"{name} must be a number of seconds > 0"
-                         f"{' or None' if allow_none else ''}, got {value!r}")
-    return float(value)
+    what = "a number of seconds" + (", or None" if allow_none else "")
+    return _number(value, name, what, low=0, low_open=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +120,10 @@ class ServerOptions:
         The longest any blocking call (push, pull, register, a sync round's
         wait, a Dask gather) waits before :class:`ServerTimeoutError` names
         what it waited for.
+    model_average, ema : dict or None
+        Keyword arguments of :class:`lasagne_accum.ModelAverage` and
+        :class:`lasagne_accum.ExponentialMovingAverage`: each shard keeps the
+        average of its parameters over its optimizer steps.
 
     Examples
     --------
@@ -129,6 +144,8 @@ class ServerOptions:
     check_finite: bool = True
     keep_log: bool = False
     wait_timeout: float = 600.0
+    model_average: Any = None
+    ema: Any = None
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -145,6 +162,19 @@ class ServerOptions:
                            _check_seconds(self.wait_timeout, "wait_timeout", allow_none=False))
         if self.on_timeout not in ("close", "fail"):
             raise ValueError(f"on_timeout must be 'close' or 'fail', got {self.on_timeout!r}")
+        for label in ("model_average", "ema"):
+            kwargs = getattr(self, label)
+            if kwargs is None:
+                continue
+            if not isinstance(kwargs, Mapping):
+                raise TypeError(f"{label} must be a dict of keyword arguments, got "
+                                f"{type(kwargs).__name__}")
+            taken = {"params", "updates", "is_step", "host_mode"} & set(kwargs)
+            if taken:
+                raise TypeError(f"{label}: {', '.join(sorted(taken))} are the server's to "
+                                "set (each shard averages its own parameters at each of "
+                                "its steps); leave them out")
+            object.__setattr__(self, label, dict(kwargs))
         if self.compile_mode is not None and not isinstance(self.compile_mode, str):
             raise TypeError(f"compile_mode must be a PyTensor mode name or None, got "
                             f"{self.compile_mode!r}")
@@ -299,18 +329,12 @@ def check_grads(grads, specs, where, check_finite=True, copy=True):
 
 
 def check_seq(seq):
-    if isinstance(seq, bool) or not isinstance(seq, numbers.Integral) or seq < 0:
-        raise PushRejected(f"seq must be an integer >= 0 (the worker's push counter), "
-                           f"got {seq!r}")
-    return int(seq)
+    return _number(seq, "seq", "the worker's push counter", PushRejected, integer=True, low=0)
 
 
 def check_weight(weight):
-    if isinstance(weight, bool) or not isinstance(weight, (numbers.Real, np.number)) \
-            or not math.isfinite(float(weight)) or float(weight) <= 0:
-        raise PushRejected(f"weight must be a finite number > 0 (the examples behind the "
-                           f"gradient), got {weight!r}")
-    return float(weight)
+    return _number(weight, "weight", "the examples behind the gradient, a finite number",
+                   PushRejected, low=0, low_open=True)
 
 
 def check_worker_id(worker_id):

@@ -6,9 +6,9 @@ PyTensor function is never called from two threads), and each shard
 serializes its own updates with a lock.
 
 PyTensor's compiled functions hold the GIL, so threads interleave rather than
-compute in parallel: two local workers train about as fast as one (the
-measured speed-up is ~1x). Use the local backend to develop and test, and the
-Dask backend (processes) for parallel compute.
+compute in parallel: two local workers train about as fast as one. Use the
+local backend to develop and test, and the Dask backend (processes) for
+parallel compute.
 """
 
 from __future__ import annotations

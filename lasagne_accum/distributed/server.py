@@ -287,6 +287,18 @@ class BaseServer:
                 merged[n] = a
         return merged
 
+    def averages(self) -> dict[str, dict[str, np.ndarray]]:
+        """The averages the shards keep (``model_average=``, ``ema=``): ``{kind: {name: array}}``.
+
+        A kind is present once each of its shards has taken a step.
+        """
+        merged: dict[str, dict[str, np.ndarray]] = {}
+        parts = self._call(self._all(), "averages", [()] * len(self.plan))
+        for kind in ("model_average", "ema"):
+            if parts and all(kind in part for part in parts):
+                merged[kind] = {n: a for part in parts for n, a in part[kind].items()}
+        return merged
+
     def save(self, path: PathLike) -> list[str]:
         """Checkpoint params, rule state, counters and each worker's applied seqs (atomic).
 

@@ -23,6 +23,8 @@ import pytensor.tensor as pt
 from pytensor.compile.sharedvalue import SharedVariable
 
 from ..checkpoint import collect_state
+from ..merge import merge_updates
+from ..model_average import ExponentialMovingAverage, ModelAverage
 from .._checks import check_rule_updates
 from . import merge
 from .checks import PushRejected, ServerOptions, ServerTimeoutError, check_grads, \
@@ -52,9 +54,14 @@ class ApplyFunction:
         ``callable(step) -> float``; a factor input carries it (or scales the
         gradients of a rule without a learning rate).
     compile_mode : str, optional
+    averages : dict, optional
+        ``{"model_average": kwargs, "ema": kwargs}`` (either may be None): the
+        averages of the parameters the apply function keeps, advanced at each
+        of its calls (each is an optimizer step of this shard).
     """
 
-    def __init__(self, shard_name, params, update_rule, rule_kwargs, compile_mode):
+    def __init__(self, shard_name, params, update_rule, rule_kwargs, compile_mode,
+                 averages=None):
         if not callable(update_rule):
             raise TypeError(f"update_rule must be callable, got {type(update_rule).__name__}")
         rule_kwargs = dict(rule_kwargs or {})
@@ -72,6 +79,13 @@ class ApplyFunction:
         else:
             rule_kwargs["learning_rate"] = factor
         updates = check_rule_updates(update_rule, used, list(params.values()), rule_kwargs)
+        self.averages = {}
+        for key, cls in (("model_average", ModelAverage), ("ema", ExponentialMovingAverage)):
+            kwargs = (averages or {}).get(key)
+            if kwargs is not None:
+                self.averages[key] = cls(list(params.values()), updates=updates, is_step=True,
+                                         **kwargs)
+        updates = merge_updates(updates, *(a.updates for a in self.averages.values()))
         prefixes = tuple(f"{n}." for n in params)
         for i, var in enumerate(updates):
             if var.name in params and params[var.name] is var:
@@ -165,7 +179,9 @@ class Shard:
             for n, p in named.items())
         self.specs = param_specs(self.params)
         self.fn = ApplyFunction(name, self.params, update_rule, rule_kwargs,
-                                self.options.compile_mode)
+                                self.options.compile_mode,
+                                dict(model_average=self.options.model_average,
+                                     ema=self.options.ema))
         self.updates = self.fn.updates
         self.lock = threading.Lock()
         self._cond = threading.Condition(self.lock)
@@ -347,6 +363,15 @@ class Shard:
             self.lock.release()
 
     # ---------------------------------------------------------------- stats, state
+
+    def averages(self) -> dict[str, dict[str, np.ndarray]]:
+        """``{"model_average": {name: array}, "ema": {...}}`` of the averages this shard keeps.
+
+        An average with no step yet is left out (it has nothing to average).
+        """
+        with self.lock:
+            return {key: dict(zip(self.params, avg.averages()))
+                    for key, avg in self.fn.averages.items() if avg.steps > 0}
 
     def stats(self) -> dict[str, Any]:
         """Counters of this shard (a plain dict)."""

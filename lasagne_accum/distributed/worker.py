@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 import numpy as np
 
 from ..accumulate import accumulate_gradients
+from ..training import AccumulationTrainer
 from .._checks import check_int
 from .checks import check_worker_id, param_specs
 from .compiling import compile_function
@@ -111,7 +112,7 @@ class Worker:
                 raise ValueError(f"worker {worker_id!r}: param {n!r} is {spec} in the model, "
                                  f"{server.specs[n]} on the server")
         self.params = OrderedDict(zip(names, params))
-        acc = accumulate_gradients(loss, params, weight=weight)
+        acc = self._accumulation = accumulate_gradients(loss, params, weight=weight)
         self._step = compile_function(inputs, loss, acc.accumulate, compile_mode,
                                       role="accumulate")
         self._read = compile_function([], list(acc.grads) + [acc.total], acc.reset,
@@ -174,19 +175,21 @@ class Worker:
             if start is not None:
                 start()
             report["t_start"] = time.time()
-            window = 0
-            for batch in batches:
+
+            def timed_step(*batch):
                 begin = time.perf_counter()
                 loss = self._step(*batch)
                 report["compute_s"] += time.perf_counter() - begin
+                return loss
+
+            # the trainer's loop: a push every `accumulate` batches, and the partial window
+            loop = AccumulationTrainer(timed_step, lambda: self._push(report),
+                                       self._accumulation, self.accumulate)
+            for batch in batches:
+                loss = loop.step(*batch)
                 report["losses"].append((time.time(), float(loss), len(batch[0])))
                 report["batches"] += 1
-                window += 1
-                if window == self.accumulate:
-                    self._push(report)
-                    window = 0
-            if window:
-                self._push(report)
+            loop.flush()
             report["t_end"] = time.time()
         finally:
             if unregister:

@@ -45,7 +45,7 @@ _KINDS = "biufc"           # dtype kinds a request's array may have
 METHODS = {"call": 2, "check": 1, "push": 3, "pid": 0}
 #: The shard methods a ``"call"`` request may run, with the number of their arguments.
 SHARD_METHODS = {"register": 1, "next_seq": 1, "unregister": 1, "pull": 0, "stats": 0,
-                 "state": 0, "state_specs": 0, "load": 1, "note_rejected": 0}
+                 "state": 0, "state_specs": 0, "load": 1, "note_rejected": 0, "averages": 0}
 
 _PREFIX = struct.Struct("<IQ")
 _LENGTH = struct.Struct("<Q")
