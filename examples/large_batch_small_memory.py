@@ -140,7 +140,7 @@ class Comparison:
                     run()                     # first call: once-only allocations
                 else:
                     peaks[name] = max(peaks[name], peak_bytes(run))
-        diff = max(float(np.max(np.abs(a.get_value() - b.get_value())))
+        diff = max(float(np.max(np.abs(models.value(a) - models.value(b))))
                    for a, b in zip(self.small_params, self.big_params))
         return dict(n=n, effective=n * B, diff=diff, accum_mib=peaks["accumulation"] / MiB,
                     real_mib=peaks["real batch"] / MiB)

@@ -172,7 +172,7 @@ class AccumulationTrainer:
         import time
 
         from .checkpoint import collect_state
-        from ._graph import as_host_array
+        from ._graph import as_host_array, write_value
 
         state = collect_state(self)
         saved = {n: np.array(as_host_array(v.get_value(borrow=True)), copy=True)
@@ -183,7 +183,7 @@ class AccumulationTrainer:
             self.apply_fn()
         finally:
             for n, v in state.items():
-                v.set_value(saved[n])
+                write_value(v, saved[n])
         return time.perf_counter() - start
 
     def _apply(self):

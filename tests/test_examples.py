@@ -405,3 +405,89 @@ def test_progress_without_tqdm(monkeypatch, capsys):
     assert bar.bar is None
     assert list(bar) == [0, 1, 2, 3, 4]
     assert list(models.progress([1, 2], enabled=False)) == [1, 2]
+
+
+# ------------------------------------------------- every mode the --help lists
+
+import importlib.util  # noqa: E402
+
+import large_batch_recipe  # noqa: E402
+
+OTHER_BACKENDS = [
+    pytest.param("JAX", marks=pytest.mark.skipif(importlib.util.find_spec("jax") is None,
+                                                 reason="jax not installed")),
+    pytest.param("PYTORCH", marks=pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                                                     reason="torch not installed")),
+]
+
+
+def _numbers_mlp_digits(result):
+    return list(result)
+
+
+def _numbers_rows(key):
+    def numbers(result):
+        return [row[k] for row in result["rows"] for k in key]
+    return numbers
+
+
+def _numbers_digits_cnn(result):
+    return [result["test_loss"], result["test_acc"], result["avg_test_loss"],
+            result["avg_test_acc"]]
+
+
+def _numbers_model_average(result):
+    return [v for row in result["history"] for name in sorted(row) for v in row[name]]
+
+
+def _numbers_small_memory(result):
+    assert result["same"] and result["max_diff"] < 1e-10   # the example's own claim
+    return []
+
+
+#: Each example's quick setting (the one its test above runs), the numbers it
+#: returns, and the relative tolerance of those numbers against the C backend's
+#: (float32 models: the backends round sums differently).
+QUICK = {
+    "mlp_digits": (mlp_digits, ["--epochs", "1", "--no-progress"], _numbers_mlp_digits,
+                   1e-4),
+    "digits_cnn": (digits_cnn, ["--no-progress", "--epochs", "1", "--train-size", "48",
+                                "--batch-size", "4", "--average", "2", "--model-average"],
+                   _numbers_digits_cnn, 1e-4),
+    "model_average": (model_average, ["--no-progress", "--model", "mlp", "--epochs", "2",
+                                      "--train-size", "64"], _numbers_model_average, 1e-9),
+    "cross_minibatch": (cross_minibatch, ["--no-progress", "--model", "mlp", "--epochs", "1",
+                                          "--train-size", "40", "--rows", "1,3", "--no-plot"],
+                        _numbers_rows(("test_loss", "test_acc")), 1e-9),
+    "large_batch_small_memory": (large_batch_small_memory,
+                                 ["--no-progress", "--model", "mlp", "--n", "1,4",
+                                  "--batch-size", "16", "--steps", "2", "--no-plot"],
+                                 _numbers_small_memory, 0),
+    "large_batch_recipe": (large_batch_recipe,
+                           ["--no-progress", "--epochs", "1", "--train-size", "96", "--batch",
+                            "4", "--accumulate", "4", "--hidden", "8", "--lr", "0.05",
+                            "--warmup-epochs", "1", "--rows", "1,4", "--no-plot"],
+                           _numbers_rows(("test_loss", "test_acc")), 1e-9),
+}
+_c_numbers = {}
+
+
+def _run_quick(name, mode):
+    module, argv, numbers, _ = QUICK[name]
+    result = module.main(argv + ["--mode", mode])
+    return [float(v) for v in numbers(result)]
+
+
+@pytest.mark.real_backend   # the C backend's numbers, compiled
+@pytest.mark.parametrize("backend", OTHER_BACKENDS)
+@pytest.mark.parametrize("name", sorted(QUICK))
+def test_every_example_runs_in_jax_and_pytorch_with_the_numbers_of_c(name, backend, capsys):
+    """Every example's --help offers the JAX and PyTorch modes: each runs its quick
+    setting there and prints the numbers of the C backend."""
+    if name not in _c_numbers:
+        _c_numbers[name] = _run_quick(name, "CVM")
+    got = _run_quick(name, backend)
+    capsys.readouterr()
+    want = _c_numbers[name]
+    assert len(got) == len(want)
+    np.testing.assert_allclose(got, want, rtol=QUICK[name][3], atol=1e-12)
