@@ -26,6 +26,7 @@ import cross_minibatch  # noqa: E402
 import digits_cnn  # noqa: E402
 import distributed_digits  # noqa: E402
 import large_batch_small_memory  # noqa: E402
+import memory_plan  # noqa: E402
 import mlp_digits  # noqa: E402
 import model_average  # noqa: E402
 import models  # noqa: E402
@@ -288,10 +289,37 @@ def test_distributed_digits_local_sync(capsys):
     assert float(re.search(r"test accuracy (\d\.\d+)", out).group(1)) > 0.5
 
 
+# ----------------------------------------------------------------- memory_plan
+
+MEMORY_QUICK = ["--hidden", "256", "--effective-batch", "512", "--budget", "1", "--windows",
+                "1"]
+
+
+def test_memory_plan_prints_b_and_n(capsys):
+    r = memory_plan.main(MEMORY_QUICK + ["--mode", "CVM"])
+    out = capsys.readouterr().out
+    B, N = r["batch_size"], r["accumulate"]
+    assert f"effective batch 512 on a budget of 1 MB: B={B}, N={N}\n" in out
+    assert B * N == 512 and 1 < N < 512 and r["peak"] <= 1e6
+    assert len(r["losses"]) == 1 and finite(*r["losses"])
+    assert re.search(rf"^optimizer step 1: mean loss \d\.\d{{4}} over {N} x {B} examples$",
+                     out, re.M)
+
+
+def test_memory_plan_budget_below_one_example_exits_with_the_smallest(capsys):
+    with pytest.raises(SystemExit) as exc:
+        memory_plan.main(["--budget", "0.001", "--windows", "0"])
+    assert exc.value.code == 1
+    err = capsys.readouterr().err
+    assert re.search(r"^error: memory_plan\(\): a budget of 0.001 MB does not fit one "
+                     r"example per micro-batch: .* the smallest budget that fits is \d+ "
+                     r"bytes$", err, re.M)
+
+
 # ------------------------------------------------------------------- --help
 
 ALL_EXAMPLES = [cross_minibatch, digits_cnn, distributed_digits, large_batch_small_memory,
-                mlp_digits, model_average]
+                memory_plan, mlp_digits, model_average]
 
 
 @pytest.mark.parametrize("module", ALL_EXAMPLES, ids=lambda m: m.__name__)
@@ -338,6 +366,8 @@ def test_help_describes_every_flag_with_its_default(module, monkeypatch):
     (large_batch_small_memory, ["--optimizer", "nope"]),
     (model_average, ["--batch-size", "0"]),
     (model_average, ["--ema-decay", "1.5"]),
+    (memory_plan, ["--budget", "0"]),
+    (memory_plan, ["--windows", "-1"]),
 ])
 def test_bad_flags_are_usage_errors(module, argv, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -445,6 +475,10 @@ def _numbers_small_memory(result):
     return []
 
 
+def _numbers_memory_plan(result):
+    return [result["batch_size"], result["accumulate"], *result["losses"]]
+
+
 #: Each example's quick setting (the one its test above runs), the numbers it
 #: returns, and the relative tolerance of those numbers against the C backend's
 #: (float32 models: the backends round sums differently).
@@ -468,6 +502,7 @@ QUICK = {
                             "4", "--accumulate", "4", "--hidden", "8", "--lr", "0.05",
                             "--warmup-epochs", "1", "--rows", "1,4", "--no-plot"],
                            _numbers_rows(("test_loss", "test_acc")), 1e-9),
+    "memory_plan": (memory_plan, MEMORY_QUICK, _numbers_memory_plan, 1e-5),
 }
 _c_numbers = {}
 
