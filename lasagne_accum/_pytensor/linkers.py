@@ -633,21 +633,33 @@ class TorchCall:
                 for name, _ in self._functors:
                     if hasattr(where, name):
                         delattr(where, name)
-        return [outs[k] if k in self._updates else outs[k].cpu().numpy()
-                for k in range(len(outs))]
+        return [outs[k] if k in self._updates else _host(outs[k]) for k in range(len(outs))]
 
     def _separate(self, args):
         """Give an updated tensor that shares memory with another input a copy of its own."""
         seen: dict[int, int] = {}
         for _, i in self._pairs:
-            seen.setdefault(args[i].untyped_storage().data_ptr(), i)
+            pointer = _storage(args[i])
+            if pointer:
+                seen.setdefault(pointer, i)
         for j, value in enumerate(args):
-            if not hasattr(value, "untyped_storage"):
-                continue
-            owner = seen.get(value.untyped_storage().data_ptr())
+            owner = seen.get(_storage(value))
             if owner is not None and owner != j:
                 args[owner] = args[owner].clone()
-                seen[args[owner].untyped_storage().data_ptr()] = owner
+                seen[_storage(args[owner])] = owner
+
+
+def _storage(value) -> int:
+    """The address of a tensor's storage (0: none, as on the ``meta`` device, or not a tensor)."""
+    storage = getattr(value, "untyped_storage", None)
+    return storage().data_ptr() if storage is not None else 0
+
+
+def _host(value):
+    """An output the function returns, as a numpy array."""
+    if hasattr(value, "detach"):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
 
 
 class PytorchLinker(_PyTensorPytorchLinker):
