@@ -182,7 +182,7 @@ class Experiment:
             test_loss, test_acc = self.evaluate(X_test, y_test)
             curve.append((float(np.mean(losses)), test_loss, test_acc))
             bar.set(f"test loss {test_loss:.4f}")
-            if not all(np.isfinite(p.get_value()).all() for p in params):
+            if not all(np.isfinite(models.value(p)).all() for p in params):
                 diverged = epoch + 1       # NaN/inf parameters never recover: stop here
                 curve += [(np.nan, np.nan, test_acc)] * (args.epochs - len(curve))
                 break

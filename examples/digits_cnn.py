@@ -128,7 +128,7 @@ def main(argv=None):
         print(f"epoch {epoch:3d}  train loss {train_loss:.4f}  test loss {test_loss:.4f}  "
               f"test accuracy {100 * test_acc:.2f}%", flush=True)
     result = dict(history=history, test_loss=test_loss, test_acc=test_acc)
-    if average is not None and int(average.num_updates.get_value()) == 0:
+    if average is not None and int(models.value(average.num_updates)) == 0:
         print("with ModelAverage: no optimizer step taken yet, nothing averaged")
     elif average is not None:
         with average.apply():

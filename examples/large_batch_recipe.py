@@ -171,7 +171,7 @@ class Experiment:
             test_loss, test_acc = self.evaluate(X_test, y_test)
             curve.append((float(train_loss), test_loss, test_acc))
             bar.set(f"test loss {test_loss:.4f}")
-            if not all(np.isfinite(p.get_value()).all() for p in self.model.params):
+            if not all(np.isfinite(models.value(p)).all() for p in self.model.params):
                 diverged = epoch + 1
                 curve += [(np.nan, np.nan, test_acc)] * (args.epochs - len(curve))
                 break

@@ -24,6 +24,11 @@ accumulation one mini-batch of B), minus what was traced before the step.
 Memory that stays allocated between steps (parameters, the rule's state,
 accumulation buffers) is not part of this peak. It is measured on every step
 but the first (which allocates once-only buffers) and the largest is shown.
+With ``--mode JAX`` the arrays live in XLA's memory, which tracemalloc does
+not see: the peak is then XLA's own analysis of the compiled functions
+(:func:`lasagne_accum.step_memory`, what a call needs beyond the resident
+state); with ``--mode PYTORCH`` it is not measured (``n/a``; see
+``benchmarks/gpu.py``).
 
     python examples/large_batch_small_memory.py --batch-size 64 --n 1,2,4,8,16
 """
@@ -36,7 +41,7 @@ import tracemalloc
 import numpy as np
 import pytensor
 
-from lasagne_accum import accumulate_gradients, collect_state, default_modes, mode
+from lasagne_accum import accumulate_gradients, collect_state, default_modes, mode, step_memory
 
 import models
 
@@ -140,8 +145,16 @@ class Comparison:
                     run()                     # first call: once-only allocations
                 else:
                     peaks[name] = max(peaks[name], peak_bytes(run))
-        diff = max(float(np.max(np.abs(a.get_value() - b.get_value())))
+        diff = max(float(np.max(np.abs(models.value(a) - models.value(b))))
                    for a, b in zip(self.small_params, self.big_params))
+        if args.mode == "JAX":     # XLA's memory, which tracemalloc does not see
+            x1, y1 = X[:B], y[:B]
+            xn, yn = X[np.arange(n * B) % len(X)], y[np.arange(n * B) % len(y)]
+            peaks = {"accumulation": max(step_memory(self.step_fn, x1, y1).transient,
+                                         step_memory(self.apply_fn).transient),
+                     "real batch": step_memory(self.big_fn, xn, yn).transient}
+        elif args.mode == "PYTORCH":   # torch's allocations: not traced either
+            peaks = {"accumulation": float("nan"), "real batch": float("nan")}
         return dict(n=n, effective=n * B, diff=diff, accum_mib=peaks["accumulation"] / MiB,
                     real_mib=peaks["real batch"] / MiB)
 
@@ -174,10 +187,14 @@ def main(argv=None):
     comparison = Comparison(args)
     rows = [comparison.run(n, X, y, args) for n in args.n]
 
+    how = {"JAX": " (XLA's analysis)", "PYTORCH": " (not measured for PYTORCH)"}.get(
+        args.mode, "")
     print(f"\n{'N':>4} {'N*B':>6} {'peak MiB accumulation':>22} {'peak MiB real batch':>20} "
-          f"{'max |param diff|':>17}")
+          f"{'max |param diff|':>17}{how}")
     for r in rows:
-        print(f"{r['n']:4d} {r['effective']:6d} {r['accum_mib']:22.2f} {r['real_mib']:20.2f} "
+        accum, real = (f"{v:{w}.2f}" if np.isfinite(v) else f"{'n/a':>{w}}"
+                       for v, w in ((r["accum_mib"], 22), (r["real_mib"], 20)))
+        print(f"{r['n']:4d} {r['effective']:6d} {accum} {real} "
               f"{r['diff']:17.3e}")
     worst = max(r["diff"] for r in rows)
     tolerance = 1e-10 if args.dtype == "float64" else 1e-4

@@ -308,6 +308,18 @@ def build_model(kind, side, seed=0, dtype="float32", **sizes):
     return build_mlp(side * side, seed=seed, dtype=dtype, **sizes)
 
 
+def value(var):
+    """A shared variable's value as a numpy array, wherever the mode keeps it.
+
+    A numpy array under C and Numba, a JAX array after a ``--mode JAX`` call, a
+    torch tensor (on the GPU with CUDA) after a ``--mode PYTORCH`` one.
+    """
+    current = var.get_value()
+    if hasattr(current, "detach"):   # torch
+        return current.detach().cpu().numpy()
+    return np.asarray(current)
+
+
 def rule(name):
     """The update rule called `name` from :mod:`lasagne_accum.updates`."""
     return getattr(rules, name)

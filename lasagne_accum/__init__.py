@@ -16,6 +16,7 @@ __version__ = "0.2.0"
 from . import schedules, updates
 from .accumulate import Accumulation, accumulate_gradients, reset
 from .checkpoint import collect_state, load_state, save_state
+from .memory import MemoryPlan, StepMemory, memory_plan, step_memory
 from .merge import merge_updates
 from .model_average import ExponentialMovingAverage, ModelAverage
 from .modes import default_modes, mode
@@ -36,6 +37,10 @@ __all__ += [
     "ExponentialMovingAverage",
     "mode",
     "default_modes",
+    "memory_plan",
+    "MemoryPlan",
+    "step_memory",
+    "StepMemory",
     "merge_updates",
     "compile_accumulation",
     "AccumulationTrainer",

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from ._typing import LossOrGrads, Params, Scalar
 
 __all__ = ["get_or_compute_grads", "state_like", "scalar_state", "hyperparameter",
-           "accumulator_dtype", "as_host_array"]
+           "accumulator_dtype", "as_host_array", "write_value"]
 
 
 def as_host_array(value: Any) -> np.ndarray:
@@ -39,16 +39,46 @@ def as_host_array(value: Any) -> np.ndarray:
 
     Shared values are numpy arrays under the C and Numba backends, JAX arrays
     after a call compiled with ``mode="JAX"`` and torch tensors with
-    ``mode="PYTORCH"``; this copies device values to the host.
+    ``mode="PYTORCH"``; device values are copied to the host (a copy of its
+    own: the device value may be updated in place, or donated, later).
 
     Examples
     --------
     >>> as_host_array([1.0, 2.0])
     array([1., 2.])
     """
-    if hasattr(value, "detach"):  # torch tensor
-        value = value.detach().cpu().numpy()
-    return np.asarray(value)
+    from ._pytensor.values import to_host
+
+    return np.asarray(to_host(value))
+
+
+def write_value(variable: SharedVariable, value: Any) -> None:
+    """Set a shared variable to `value` (a numpy array), where its current value lives.
+
+    A torch tensor of the same shape receives the values in place (it stays
+    on its device, and PyTorch-mode functions keep updating the same
+    storage); any other value is replaced with ``set_value`` (a JAX-mode
+    function moves a numpy value to the device on its next call).
+
+    Examples
+    --------
+    >>> import pytensor
+    >>> w = pytensor.shared(np.zeros(2), name="w")
+    >>> write_value(w, np.array([1.0, 2.0])); w.get_value()
+    array([1., 2.])
+    """
+    from ._pytensor.values import backend_of_value
+
+    current = variable.get_value(borrow=True)
+    kind = backend_of_value(current)
+    host = np.asarray(value)
+    if kind == "pytorch" and tuple(current.shape) == host.shape:
+        import torch
+
+        with torch.no_grad():
+            current.copy_(torch.as_tensor(host.astype(variable.type.dtype, copy=False)))
+        return
+    variable.set_value(host)
 
 
 

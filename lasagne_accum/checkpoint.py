@@ -31,7 +31,7 @@ import numpy as np
 from numpy.lib import format as npy_format
 from pytensor.compile.sharedvalue import SharedVariable
 
-from ._graph import as_host_array
+from ._graph import as_host_array, write_value
 from .accumulate import Accumulation
 
 if TYPE_CHECKING:
@@ -624,7 +624,7 @@ def read_state(path: PathLike, objects: Any, strict: bool = True
     arrays, extras = _read(path, expected, strict=strict, optional=defaults)
     for name, default in defaults.items():
         if name not in arrays:
-            named[name].set_value(np.asarray(default, dtype=expected[name][1]))
+            write_value(named[name], np.asarray(default, dtype=expected[name][1]))
     for name, value in arrays.items():
-        named[name].set_value(value)
+        write_value(named[name], value)
     return extras["metadata"] or {}, extras["lasagne_accum"] or {}, list(arrays)

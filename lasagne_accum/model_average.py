@@ -17,7 +17,7 @@ import numpy as np
 import pytensor.tensor as pt
 
 from ._checks import check_int, check_params, param_label
-from ._graph import as_host_array, hyperparameter, scalar_state, state_like
+from ._graph import as_host_array, hyperparameter, scalar_state, state_like, write_value
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -240,7 +240,7 @@ class _SwappableAverage:
         self._backup = [np.array(_host(p.get_value(borrow=True)), copy=True)
                         for p in self.params]
         for p, avg in zip(self.params, averages):
-            p.set_value(avg.astype(p.type.dtype, copy=False))
+            write_value(p, avg.astype(p.type.dtype, copy=False))
         return self._restoring(need_restore)
 
     @contextlib.contextmanager
@@ -262,7 +262,7 @@ class _SwappableAverage:
         if self._backup is None:
             raise RuntimeError(f"{self.name}: restore() without apply()")
         for p, value in zip(self.params, self._backup):
-            p.set_value(value)
+            write_value(p, value)
         self._backup = None
 
     def averages(self) -> list[np.ndarray]:
@@ -540,7 +540,7 @@ class ExponentialMovingAverage(_SwappableAverage):
         for i, p in enumerate(self.params):
             dtype = shadow_dtype or ("float64" if p.type.dtype == "float64" else "float32")
             shadow = state_like(p, name, i, dtype=dtype)
-            shadow.set_value(_host(p.get_value(borrow=True)).astype(dtype))
+            write_value(shadow, _host(p.get_value(borrow=True)).astype(dtype))
             self.shadows.append(shadow)
         t = self.num_updates + 1
         updates_out = OrderedDict()

@@ -11,7 +11,16 @@ in the functions it compiles):
   constants are written exactly into the generated C code;
 * Numba: ``acc + dot(a, b)`` is one in-place BLAS ``gemm``, as in C;
 * JAX and PyTorch: fixes to how PyTensor converts some ops (float32 models
-  stay float32 under JAX; ``**``, ``%`` and ``==`` work under PyTorch).
+  stay float32 under JAX; ``arange`` and ``reshape`` of batch-sized shapes
+  work under JAX; ``**``, ``%``, ``==`` and ``argmax`` work under PyTorch);
+* JAX: every shared variable a function updates is donated to XLA, so its
+  new value can take the old buffer's place and the old buffer is freed at
+  once: one copy of the state in device memory, not two;
+* PyTorch: state stays on the device (``device=``) between calls, as torch
+  tensors updated in place; only the outputs you asked for come back to the
+  host;
+* every backend reads a shared value that another backend left (a JAX array
+  in a C function, a torch tensor in a JAX function...) by converting it.
 
 :func:`lasagne_accum.compile_accumulation`, the examples, the benchmarks and
 the parameter server compile with it. Plain ``pytensor.function`` gives the
@@ -26,7 +35,7 @@ from typing import Any
 __all__ = ["mode", "default_modes", "blas_available"]
 
 
-def mode(base: Any = "CVM") -> Any:
+def mode(base: Any = "CVM", *, device: Any = None, compile: bool | None = None) -> Any:
     """A PyTensor Mode: `base` with lasagne_accum's rewrites and backend fixes.
 
     Parameters
@@ -36,6 +45,17 @@ def mode(base: Any = "CVM") -> Any:
         ``"PYTORCH"``, ``"FAST_RUN"``, ...), a Mode of your own, whose
         rewrites are kept, or None for PyTensor's default mode
         (``pytensor.config.mode``).
+    device : str or torch.device, optional
+        PyTorch only: where the state lives and the graph runs (``"cuda"``,
+        ``"cuda:1"``, ``"cpu"``...). Default: CUDA when torch sees a GPU,
+        else the CPU. JAX places arrays on its own default device
+        (``jax.default_device``, ``JAX_PLATFORMS``) and refuses `device`.
+    compile : bool, optional
+        PyTorch only: run the graph through ``torch.compile`` (fused kernels,
+        compiled on the first call and again for new input shapes) or
+        eagerly. Default: compiled on an accelerator, eager on the CPU, where
+        compiling takes longer than it saves and the C and Numba backends
+        are the fast path.
 
     Returns
     -------
@@ -50,7 +70,21 @@ def mode(base: Any = "CVM") -> Any:
     TypeError
         If `base` is neither a mode name nor a Mode.
     ValueError
-        If `base` names no PyTensor mode.
+        If `base` names no PyTensor mode; if `device` is not a device of this
+        machine; if `device` or `compile` is given for a backend other than
+        PyTorch.
+
+    Notes
+    -----
+    JAX: the buffers of updated shared variables are donated, so a JAX array
+    you took with ``get_value(borrow=True)`` could be freed by the next call.
+    The function checks first: a value held anywhere else is copied and the
+    copy donated, so what you hold stays valid (at the cost of that copy);
+    ``get_value()`` (a copy) never shares a buffer. Two shared variables that
+    share one value (a ``clone()``) cannot both be updated by one function.
+
+    PyTorch: a state tensor keeps its storage across calls (updated with
+    ``copy_``) unless an update changes its shape or is a view of an input.
 
     Examples
     --------
@@ -64,6 +98,10 @@ def mode(base: Any = "CVM") -> Any:
     array([0., 0.])
     >>> _ = f(np.full(2, 3.0)); w.get_value()     # the mean gradient, 2
     array([-2., -2.])
+    >>> la.mode("CVM", device="cpu")
+    Traceback (most recent call last):
+    ...
+    ValueError: mode(): device= applies to the PYTORCH backend only; the C and Numba backends run on the CPU
     """
     from pytensor.compile.mode import get_mode
 
@@ -78,7 +116,7 @@ def mode(base: Any = "CVM") -> Any:
         except (KeyError, ValueError):
             raise ValueError(f"mode(): {base!r} is not a PyTensor mode (try 'CVM', 'NUMBA', "
                              "'JAX' or 'PYTORCH')") from None
-    return build(base)
+    return build(base, device=device, compile=compile)
 
 
 def blas_available() -> bool:

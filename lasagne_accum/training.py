@@ -185,6 +185,7 @@ class AccumulationTrainer:
         import time
 
         from .checkpoint import collect_state
+        from ._graph import write_value
 
         # everything the two functions update: their update dictionaries, and the
         # shared variables with a default update (a random stream's generator)
@@ -201,7 +202,10 @@ class AccumulationTrainer:
             self.apply_fn()
         finally:
             for v, value in saved:
-                v.set_value(value)
+                if isinstance(value, np.ndarray):
+                    write_value(v, value)     # a device tensor keeps its storage
+                else:
+                    v.set_value(value)        # a random generator
         return time.perf_counter() - start
 
     def _apply(self):

@@ -36,6 +36,7 @@ TABLE_ROW = {
     "backends.py": r"^numba\s+float32\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)",
     "cold_start.py": r"^\s+1\s+fastcompile\s+([\d.]+)\s+([\d.]+)",
     "distributed.py": r"^\| wide MLP \| ours, Dask sync \| ([\d.]+) \| ([\d.]+) \|",
+    "gpu.py": r"^mlp\s+la-jax\s+([\d.]+)\s+([\d.]+)",
     "inplace.py": r"^NUMBA\s+float32\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)",
     "peers.py": r"^\s+1\s+([\d.]+)\s+([\d.]+)",
     "single_function.py": r"^NUMBA\s+([\d.]+)\s+([\d.]+)\s+lazy",
@@ -145,6 +146,51 @@ def test_inplace_writes_names_the_ops(common):
     fn = pytensor.function([x, y], u.sum(), updates={w: w + x @ y, v: v * 0.5}, mode=mode)
     assert common.inplace_writes(fn, [w, v, u]) == {
         "w": ["Gemm{inplace}"], "v": ["Mul(inplace)"], "u": []}
+
+
+@pytest.mark.parametrize("kind", ["cnn", "mlp"])
+def test_gpu_benchmark_models_are_the_pytensor_models(kind):
+    """benchmarks/gpu.py writes the examples' CNN and MLP out for JAX and PyTorch: the same
+    loss and gradients as the PyTensor graph (float64), ReLU and max-pool ties included
+    (the digits have blank corners: whole pooling windows tie)."""
+    spec = importlib.util.spec_from_file_location("bench_gpu", os.path.join(BENCH, "gpu.py"))
+    gpu = importlib.util.module_from_spec(spec)
+    saved = list(sys.path)
+    try:
+        spec.loader.exec_module(gpu)
+    finally:   # the script puts benchmarks/ first: its distributed.py would shadow Dask's
+        sys.path[:] = [p for p in sys.path if os.path.abspath(p) != BENCH]
+        sys.path += [p for p in saved if p not in sys.path]
+    X, y, side = gpu.digits("float64")
+    x_b, y_b = X[:40], y[:40]
+    model = gpu.pytensor_model(kind, "float64", 32, side)
+    for p in model.params:   # biases away from zero: ReLU outputs tie in pooling windows
+        p.set_value(p.get_value() + 0.01)
+    values = [p.get_value() for p in model.params]
+    f = pytensor.function([model.x, model.y], [model.loss, *pytensor.grad(model.loss,
+                                                                          model.params)])
+    want = f(x_b, y_b)
+    got = {}
+    if importlib.util.find_spec("jax") is not None:
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+        loss = gpu.jax_loss(kind, side)
+        value, grads = jax.value_and_grad(loss)([jax.numpy.asarray(v) for v in values],
+                                                x_b, y_b)
+        got["jax"] = [value, *grads]
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        loss = gpu.torch_loss(kind, side, torch.device("cpu"))
+        params = [torch.tensor(v, requires_grad=True) for v in values]
+        value = loss(params, torch.from_numpy(x_b), torch.from_numpy(y_b))
+        got["torch"] = [value.detach(), *torch.autograd.grad(value, params)]
+    assert got, "neither JAX nor PyTorch is installed"
+    for library, results in got.items():
+        for k, (g, w) in enumerate(zip(results, want)):
+            np.testing.assert_allclose(np.asarray(g), w, rtol=1e-10, atol=1e-13,
+                                       err_msg=f"{library} output {k}")
 
 
 def run_script(script, *args, timeout):

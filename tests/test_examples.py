@@ -26,6 +26,7 @@ import cross_minibatch  # noqa: E402
 import digits_cnn  # noqa: E402
 import distributed_digits  # noqa: E402
 import large_batch_small_memory  # noqa: E402
+import memory_plan  # noqa: E402
 import mlp_digits  # noqa: E402
 import model_average  # noqa: E402
 import models  # noqa: E402
@@ -288,10 +289,37 @@ def test_distributed_digits_local_sync(capsys):
     assert float(re.search(r"test accuracy (\d\.\d+)", out).group(1)) > 0.5
 
 
+# ----------------------------------------------------------------- memory_plan
+
+MEMORY_QUICK = ["--hidden", "256", "--effective-batch", "512", "--budget", "1", "--windows",
+                "1"]
+
+
+def test_memory_plan_prints_b_and_n(capsys):
+    r = memory_plan.main(MEMORY_QUICK + ["--mode", "CVM"])
+    out = capsys.readouterr().out
+    B, N = r["batch_size"], r["accumulate"]
+    assert f"effective batch 512 on a budget of 1 MB: B={B}, N={N}\n" in out
+    assert B * N == 512 and 1 < N < 512 and r["peak"] <= 1e6
+    assert len(r["losses"]) == 1 and finite(*r["losses"])
+    assert re.search(rf"^optimizer step 1: mean loss \d\.\d{{4}} over {N} x {B} examples$",
+                     out, re.M)
+
+
+def test_memory_plan_budget_below_one_example_exits_with_the_smallest(capsys):
+    with pytest.raises(SystemExit) as exc:
+        memory_plan.main(["--budget", "0.001", "--windows", "0"])
+    assert exc.value.code == 1
+    err = capsys.readouterr().err
+    assert re.search(r"^error: memory_plan\(\): a budget of 0.001 MB does not fit one "
+                     r"example per micro-batch: .* the smallest budget that fits is \d+ "
+                     r"bytes$", err, re.M)
+
+
 # ------------------------------------------------------------------- --help
 
 ALL_EXAMPLES = [cross_minibatch, digits_cnn, distributed_digits, large_batch_small_memory,
-                mlp_digits, model_average]
+                memory_plan, mlp_digits, model_average]
 
 
 @pytest.mark.parametrize("module", ALL_EXAMPLES, ids=lambda m: m.__name__)
@@ -338,6 +366,8 @@ def test_help_describes_every_flag_with_its_default(module, monkeypatch):
     (large_batch_small_memory, ["--optimizer", "nope"]),
     (model_average, ["--batch-size", "0"]),
     (model_average, ["--ema-decay", "1.5"]),
+    (memory_plan, ["--budget", "0"]),
+    (memory_plan, ["--windows", "-1"]),
 ])
 def test_bad_flags_are_usage_errors(module, argv, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -405,3 +435,96 @@ def test_progress_without_tqdm(monkeypatch, capsys):
     assert bar.bar is None
     assert list(bar) == [0, 1, 2, 3, 4]
     assert list(models.progress([1, 2], enabled=False)) == [1, 2]
+
+
+# ------------------------------------------------- every mode the --help lists
+
+import importlib.util  # noqa: E402
+
+import large_batch_recipe  # noqa: E402
+
+OTHER_BACKENDS = [
+    pytest.param("JAX", marks=pytest.mark.skipif(importlib.util.find_spec("jax") is None,
+                                                 reason="jax not installed")),
+    pytest.param("PYTORCH", marks=pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                                                     reason="torch not installed")),
+]
+
+
+def _numbers_mlp_digits(result):
+    return list(result)
+
+
+def _numbers_rows(key):
+    def numbers(result):
+        return [row[k] for row in result["rows"] for k in key]
+    return numbers
+
+
+def _numbers_digits_cnn(result):
+    return [result["test_loss"], result["test_acc"], result["avg_test_loss"],
+            result["avg_test_acc"]]
+
+
+def _numbers_model_average(result):
+    return [v for row in result["history"] for name in sorted(row) for v in row[name]]
+
+
+def _numbers_small_memory(result):
+    assert result["same"] and result["max_diff"] < 1e-10   # the example's own claim
+    big = result["rows"][-1]      # N=4: (XLA's) peak of the real batch above accumulation's
+    assert not np.isfinite(big["real_mib"]) or big["real_mib"] > big["accum_mib"] > 0
+    return []
+
+
+def _numbers_memory_plan(result):
+    return [result["batch_size"], result["accumulate"], *result["losses"]]
+
+
+#: Each example's quick setting (the one its test above runs), the numbers it
+#: returns, and the relative tolerance of those numbers against the C backend's
+#: (float32 models: the backends round sums differently).
+QUICK = {
+    "mlp_digits": (mlp_digits, ["--epochs", "1", "--no-progress"], _numbers_mlp_digits,
+                   1e-4),
+    "digits_cnn": (digits_cnn, ["--no-progress", "--epochs", "1", "--train-size", "48",
+                                "--batch-size", "4", "--average", "2", "--model-average"],
+                   _numbers_digits_cnn, 1e-4),
+    "model_average": (model_average, ["--no-progress", "--model", "mlp", "--epochs", "2",
+                                      "--train-size", "64"], _numbers_model_average, 1e-9),
+    "cross_minibatch": (cross_minibatch, ["--no-progress", "--model", "mlp", "--epochs", "1",
+                                          "--train-size", "40", "--rows", "1,3", "--no-plot"],
+                        _numbers_rows(("test_loss", "test_acc")), 1e-9),
+    "large_batch_small_memory": (large_batch_small_memory,
+                                 ["--no-progress", "--model", "mlp", "--n", "1,4",
+                                  "--batch-size", "16", "--steps", "2", "--no-plot"],
+                                 _numbers_small_memory, 0),
+    "large_batch_recipe": (large_batch_recipe,
+                           ["--no-progress", "--epochs", "1", "--train-size", "96", "--batch",
+                            "4", "--accumulate", "4", "--hidden", "8", "--lr", "0.05",
+                            "--warmup-epochs", "1", "--rows", "1,4", "--no-plot"],
+                           _numbers_rows(("test_loss", "test_acc")), 1e-9),
+    "memory_plan": (memory_plan, MEMORY_QUICK, _numbers_memory_plan, 1e-5),
+}
+_c_numbers = {}
+
+
+def _run_quick(name, mode):
+    module, argv, numbers, _ = QUICK[name]
+    result = module.main(argv + ["--mode", mode])
+    return [float(v) for v in numbers(result)]
+
+
+@pytest.mark.real_backend   # the C backend's numbers, compiled
+@pytest.mark.parametrize("backend", OTHER_BACKENDS)
+@pytest.mark.parametrize("name", sorted(QUICK))
+def test_every_example_runs_in_jax_and_pytorch_with_the_numbers_of_c(name, backend, capsys):
+    """Every example's --help offers the JAX and PyTorch modes: each runs its quick
+    setting there and prints the numbers of the C backend."""
+    if name not in _c_numbers:
+        _c_numbers[name] = _run_quick(name, "CVM")
+    got = _run_quick(name, backend)
+    capsys.readouterr()
+    want = _c_numbers[name]
+    assert len(got) == len(want)
+    np.testing.assert_allclose(got, want, rtol=QUICK[name][3], atol=1e-12)

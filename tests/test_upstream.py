@@ -99,3 +99,98 @@ def test_pytorch_maps_pow_mod_and_eq_to_the_wrong_torch_functions(case):
             pytensor.function([x, y], out, mode="PYTORCH")(xv, yv)
         got = pytensor.function([x, y], out, mode=la.mode("PYTORCH"))(xv, yv)
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@needs_jax
+def test_jax_reshape_to_a_shape_computed_from_the_batch_fails():
+    """``x.reshape((x.shape[0] * 4, 2))`` beside an update that counts examples
+    (``total + x.shape[0]``, as an accumulation weighted by batch size does): fusion
+    puts both products of the shape into one node, computed in ``jax.numpy`` (a traced
+    value), which ``jnp.reshape`` refuses. The im2col convolution of
+    ``examples/models.py`` trained with ``weight=x.shape[0]`` fails so."""
+    x = pt.matrix("x")
+    W = pytensor.shared(np.ones((2, 3)), name="W")
+    total = pytensor.shared(np.float64(0), name="total")
+    loss = (x.reshape((x.shape[0] * 4, 2)) @ W).mean()
+    xv = np.arange(24.0).reshape(3, 8)
+
+    def run(mode):
+        total.set_value(np.float64(0))
+        f = pytensor.function([x], loss, updates={total: total + x.shape[0]}, mode=mode)
+        return float(f(xv)), float(total.get_value())
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(TypeError, match="Shapes must be 1D sequences of concrete values"):
+            run("JAX")
+        got = run(la.mode("JAX"))
+    assert got == (float((xv.reshape(12, 2) @ np.ones((2, 3))).mean()), 3.0)
+
+
+@needs_jax
+def test_jax_keeps_a_stale_copy_of_every_shared_value():
+    """PyTensor's code generator converts each shared value when the function is built
+    and keeps it in the generated function's globals: two copies of the state on the
+    device for as long as the function lives."""
+    import gc
+
+    import jax
+
+    def live_after_a_call(mode):
+        w = pytensor.shared(np.zeros((256, 256)), name="w")
+        f = pytensor.function([], [], updates={w: w + 1}, mode=mode)
+        f()
+        gc.collect()
+        state = w.get_value(borrow=True).nbytes
+        live = sum(a.nbytes for a in jax.live_arrays() if a.shape == (256, 256))
+        del f, w
+        gc.collect()
+        return live / state
+
+    assert live_after_a_call("JAX") == 2, _fixed_upstream(
+        "_drop_shadowed_globals in lasagne_accum/_pytensor/linkers.py")
+    assert live_after_a_call(la.mode("JAX")) == 1
+
+
+@needs_torch
+def test_pytorch_has_no_argmax_and_returns_state_through_the_host():
+    """``pt.argmax`` has no PyTorch conversion; and every updated shared value comes back
+    from the device as a numpy array (``.cpu().numpy()``), so each call moves all state
+    to the device and back."""
+    import torch
+
+    x = pt.matrix("x")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(NotImplementedError, match="Argmax"):
+            pytensor.function([x], pt.argmax(x, axis=1), mode="PYTORCH")
+        w = pytensor.shared(np.zeros(3), name="w")
+        pytensor.function([], [], updates={w: w + 1}, mode="PYTORCH")()
+    assert isinstance(w.get_value(borrow=True), np.ndarray), _fixed_upstream(
+        "TorchCall in lasagne_accum/_pytensor/linkers.py")
+    xv = np.array([[1.0, 5.0, 2.0], [7.0, 0.0, 3.0]])
+    got = pytensor.function([x], pt.argmax(x, axis=1), mode=la.mode("PYTORCH", device="cpu"))
+    np.testing.assert_array_equal(got(xv), [1, 0])
+    pytensor.function([], [], updates={w: w + 1}, mode=la.mode("PYTORCH", device="cpu"))()
+    assert isinstance(w.get_value(borrow=True), torch.Tensor)
+
+
+@needs_jax
+@needs_torch
+def test_a_jax_value_cannot_be_read_by_pytorch_or_c():
+    """A shared variable updated by a JAX function holds a JAX array, which PyTensor's
+    PyTorch and C backends cannot read."""
+    def jax_then(mode):
+        w = pytensor.shared(np.ones(3), name="w")
+        pytensor.function([], [], updates={w: w * 2}, mode=la.mode("JAX"))()
+        pytensor.function([], [], updates={w: w + 1}, mode=mode)()
+        return np.asarray(la._graph.as_host_array(w.get_value()))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(NotImplementedError, match="pytorch_typify is not implemented"):
+            jax_then("PYTORCH")
+        with pytest.raises(ValueError, match="expected an ndarray"):
+            jax_then("CVM")
+    np.testing.assert_array_equal(jax_then(la.mode("PYTORCH", device="cpu")), [3.0] * 3)
+    np.testing.assert_array_equal(jax_then(la.mode("CVM")), [3.0] * 3)

@@ -34,27 +34,48 @@ def backend_of(mode) -> str | None:
     return None
 
 
-def build(base: Any = "CVM") -> Any:
+def build(base: Any = "CVM", device: Any = None, compile: bool | None = None) -> Any:
     """`base` (a mode name or a Mode) with our rewrites and backend fixes included.
 
+    `device` and `compile` are for a PyTorch `base` (see :func:`lasagne_accum.mode`).
     PyTensor's own `base` when the installed PyTensor is outside
     :data:`lasagne_accum._pytensor.SUPPORTED` (one warning), and for a Mode
     whose backend is none of C, Numba, JAX and PyTorch.
     """
     from pytensor.compile.mode import Mode, get_mode
 
-    from . import supported
+    from . import linkers, supported
 
     base_mode = get_mode(base)
     if not isinstance(base_mode, Mode):
         raise TypeError(f"mode(): base must be a mode name or a pytensor Mode, got {base!r}")
     kind = backend_of(base_mode)
-    if kind is None or not supported():
+    if kind is None:
+        if device is not None or compile is not None:
+            raise ValueError("mode(): device= and compile= apply to the PYTORCH backend only")
         return base_mode
-    key = id(base_mode)
+    if kind != "pytorch" and (device is not None or compile is not None):
+        given = "device" if device is not None else "compile"
+        where = ("JAX puts arrays on its default device (jax.default_device, or the "
+                 "JAX_PLATFORMS environment variable)" if kind == "jax" else
+                 "the C and Numba backends run on the CPU")
+        raise ValueError(f"mode(): {given}= applies to the PYTORCH backend only; {where}")
+    if kind == "pytorch":
+        from .values import torch_device
+
+        ours = base_mode.linker if isinstance(base_mode.linker, linkers.PytorchLinker) else None
+        if ours is not None:   # a mode of ours again: its device and compile setting
+            device = ours.device if device is None else device
+            compile = ours.compile if compile is None else compile
+        device = torch_device(device)
+        if compile is None:
+            compile = device.type not in ("cpu", "meta")
+    if not supported():
+        return base_mode
+    key = (id(base_mode), str(device), compile)
     if key in _cache and _cache[key][0]() is base_mode:
         return _cache[key][1]
-    from . import TAGS, gemm, lazy_step, linkers, register_rewrites
+    from . import TAGS, gemm, lazy_step, register_rewrites
 
     register_rewrites()
     if kind == "numba":
@@ -67,9 +88,9 @@ def build(base: Any = "CVM") -> Any:
     if kind == "jax":
         linker = linkers.JAXLinker()
     elif kind == "pytorch":
-        linker = linkers.PytorchLinker()
+        linker = linkers.PytorchLinker(device=device, compile=compile)
     else:
-        linker = base_mode.linker.clone()
+        linker = linkers.host_linker(base_mode.linker, kind)
     built = Mode(linker=linker, optimizer=optimizer)
     for stale in [k for k, (ref, _) in _cache.items() if ref() is None]:
         del _cache[stale]
