@@ -25,7 +25,8 @@ import time
 import numpy as np
 import pytensor
 
-from lasagne_accum import ExponentialMovingAverage, ModelAverage, accumulate_gradients
+from lasagne_accum import ExponentialMovingAverage, ModelAverage, accumulate_gradients, \
+    collect_state
 from lasagne_accum import default_modes, mode
 
 import models
@@ -75,6 +76,13 @@ def main(argv=None):
         step_fn = pytensor.function([model.x, model.y], model.loss, updates=accu, mode=acc_mode)
         apply_fn = pytensor.function([], [], updates=apply, mode=apply_mode)
         evaluate = model.evaluator(acc_mode)
+        # JIT backends (Numba, JAX, PyTorch) compile on the first call: one call of each
+        # here, every value put back after, so that the time printed is all the compiling
+        initial = [(v, v.get_value(borrow=False)) for v in collect_state(accu, apply).values()]
+        step_fn(X_train[:args.batch_size], y_train[:args.batch_size])
+        apply_fn()
+        for var, value in initial:
+            var.set_value(value)
 
     print(f"{args.model.upper()} on {len(X_train)} train / {len(X_test)} test digits; "
           f"{args.optimizer} lr={args.lr:g}, batch {args.batch_size} x accumulate "
