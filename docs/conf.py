@@ -45,7 +45,12 @@ PUBLIC = [
     ("lasagne_accum.checkpoint", "Checkpoints (lasagne_accum.checkpoint)"),
     ("lasagne_accum.distributed", "Parameter server (lasagne_accum.distributed)"),
 ]
-OPTIONAL = ["lasagne_accum.schedules"]   # documented when the module exists
+TITLES = {"lasagne_accum.distributed.dask":
+          "Parameter server on Dask (lasagne_accum.distributed.dask)"}
+OPTIONAL = [   # documented when the module imports (its extra is installed)
+    "lasagne_accum.schedules",
+    "lasagne_accum.distributed.dask",
+]
 
 
 def _write_api_page(srcdir):
@@ -57,7 +62,7 @@ def _write_api_page(srcdir):
             importlib.import_module(name)
         except ImportError:
             continue
-        modules.append((name, f"{name.rsplit('.', 1)[1].capitalize()} ({name})"))
+        modules.append((name, TITLES.get(name, f"{name.rsplit('.', 1)[1].capitalize()} ({name})")))
     lines = ["API reference", "=============", "",
              "Every name in the ``__all__`` of the public modules.", ""]
     documented = set()

@@ -72,5 +72,4 @@ from .cluster import connect, local_cluster
 from .run import run_dask
 from .server import DaskParameterServer
 
-__all__ = ["DaskParameterServer", "ShardActor", "local_cluster", "connect", "run_dask",
-           "HANDLER"]
+__all__ = ["DaskParameterServer", "local_cluster", "connect", "run_dask"]
