@@ -7,6 +7,7 @@ subprocess runs check that bad input ends with a one-line error and a
 non-zero exit status, not a traceback.
 """
 
+import ast
 import gzip
 import os
 import re
@@ -286,6 +287,18 @@ def test_distributed_digits_local_sync(capsys):
     # 1348 training digits, 674 per worker: 22 batches of 32 each (the last of 2), one
     # push per batch, and a sync round (one optimizer step) per pair of pushes
     assert re.search(r"^44 pushes \(\d+/s\), optimizer steps 22, ", out, re.M)
+    assert float(re.search(r"test accuracy (\d\.\d+)", out).group(1)) > 0.5
+
+
+def test_distributed_digits_local_async(capsys):
+    distributed_digits.main(["--epochs", "1", "--workers", "2", "--mode", "async"])
+    out = capsys.readouterr().out
+    # the same 44 pushes, each applied on arrival: one optimizer step per push, and the
+    # staleness of every push reported
+    assert re.search(r"^44 pushes \(\d+/s\), optimizer steps 44, ", out, re.M)
+    staleness = ast.literal_eval(re.search(r"^staleness per push \(largest over the shards\): (\{.*\})$",
+                               out, re.M).group(1))
+    assert sum(staleness.values()) == 44 and min(staleness) >= 0
     assert float(re.search(r"test accuracy (\d\.\d+)", out).group(1)) > 0.5
 
 
