@@ -41,7 +41,7 @@ import tracemalloc
 import numpy as np
 import pytensor
 
-from lasagne_accum import accumulate_gradients, collect_state, default_modes, mode, step_memory
+from lasagne_accum import accumulate_gradients, collect_state, mode, step_memory
 
 import models
 
@@ -100,8 +100,7 @@ class Comparison:
 
     def __init__(self, args):
         rule, hyper = models.rule(args.optimizer), {"learning_rate": args.lr}
-        acc_mode, apply_mode = (mode(m) for m in ((args.mode, args.mode) if args.mode
-                                                   else default_modes()))
+        acc_mode, apply_mode = (mode(m) for m in models.mode_names(args.mode))
         small = models.build_model(args.model, args.side, seed=args.seed, dtype=args.dtype)
         big = models.build_model(args.model, args.side, seed=args.seed, dtype=args.dtype)
         self.small_params, self.big_params = small.params, big.params

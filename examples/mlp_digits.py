@@ -15,7 +15,7 @@ import numpy as np
 import pytensor
 
 import lasagne_accum
-from lasagne_accum import compile_accumulation, default_modes, run_epoch
+from lasagne_accum import compile_accumulation, run_epoch
 
 import models
 
@@ -44,7 +44,7 @@ def main(argv=None):
     start = time.perf_counter()          # the time reported includes compiling
     model = models.build_mlp(X_train.shape[1], args.hidden, 10, args.seed)
     x = model.x
-    modes = (args.mode, args.mode) if args.mode else default_modes()
+    modes = models.mode_names(args.mode)
     with models.compiling(f"the accumulate ({modes[0]}) and apply ({modes[1]}) functions"):
         trainer = compile_accumulation(
             [x, model.y], model.loss, model.params, models.rule(args.optimizer),

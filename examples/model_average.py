@@ -25,9 +25,8 @@ import time
 import numpy as np
 import pytensor
 
-from lasagne_accum import ExponentialMovingAverage, ModelAverage, accumulate_gradients, \
-    collect_state
-from lasagne_accum import default_modes, mode
+from lasagne_accum import AccumulationTrainer, ExponentialMovingAverage, ModelAverage, \
+    accumulate_gradients, mode
 
 import models
 
@@ -70,19 +69,16 @@ def main(argv=None):
     apply.update(window.updates)
     apply.update(ema.updates)
     apply.update(reset)
-    acc_mode, apply_mode = (mode(m) for m in ((args.mode, args.mode) if args.mode
-                                               else default_modes()))
+    acc_mode, apply_mode = models.mode_names(args.mode)
     with models.compiling(f"the accumulate ({acc_mode}) and apply ({apply_mode}) functions"):
-        step_fn = pytensor.function([model.x, model.y], model.loss, updates=accu, mode=acc_mode)
-        apply_fn = pytensor.function([], [], updates=apply, mode=apply_mode)
+        step_fn = pytensor.function([model.x, model.y], model.loss, updates=accu,
+                                    mode=mode(acc_mode))
+        apply_fn = pytensor.function([], [], updates=apply, mode=mode(apply_mode))
         evaluate = model.evaluator(acc_mode)
         # JIT backends (Numba, JAX, PyTorch) compile on the first call: one call of each
         # here, every value put back after, so that the time printed is all the compiling
-        initial = [(v, v.get_value(borrow=False)) for v in collect_state(accu, apply).values()]
-        step_fn(X_train[:args.batch_size], y_train[:args.batch_size])
-        apply_fn()
-        for var, value in initial:
-            var.set_value(value)
+        AccumulationTrainer(step_fn, apply_fn, accu, args.accumulate, apply).warm_up(
+            X_train[:args.batch_size], y_train[:args.batch_size])
 
     print(f"{args.model.upper()} on {len(X_train)} train / {len(X_test)} test digits; "
           f"{args.optimizer} lr={args.lr:g}, batch {args.batch_size} x accumulate "

@@ -377,6 +377,12 @@ def fast_compiles(pch=True, jobs=None):
     return True
 
 
+def mode_names(name=None):
+    """The accumulate and apply steps' mode names: `name` for both, else the library's
+    defaults (``lasagne_accum.default_modes()``)."""
+    return (name, name) if name else lasagne_accum.default_modes()
+
+
 @contextlib.contextmanager
 def compiling(what):
     """Say that `what` is compiling (on stderr, at once), then how long it took."""
