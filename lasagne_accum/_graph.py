@@ -12,7 +12,8 @@ scalar of a number or a symbolic value.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Mapping, cast
 
 import numpy as np
 import pytensor
@@ -190,6 +191,23 @@ def get_or_compute_grads(loss_or_grads: LossOrGrads, params: Params) -> list[Ten
 def accumulator_dtype(dtype: str | np.dtype) -> str:
     """The dtype to accumulate values of `dtype` in: at least float32."""
     return "float64" if str(dtype) == "float64" else "float32"
+
+
+def guard_updates(updates: Mapping[Any, Any], signal: Variable) -> OrderedDict:
+    """Each variable of `updates` keeps its value on calls where `signal` is false.
+
+    Every new value becomes ``switch(signal, new, var)`` and carries the signal as
+    ``tag.step_signal`` (which :class:`lasagne_accum.ModelAverage` reads); a value
+    that already carries this signal is kept as it is.
+    """
+    out = OrderedDict()
+    for var, new in updates.items():
+        new = pt.as_tensor_variable(new)
+        if getattr(new.tag, "step_signal", None) is not signal:
+            new = pt.switch(signal, new, var)
+            new.tag.step_signal = signal
+        out[var] = new
+    return out
 
 
 def state_like(

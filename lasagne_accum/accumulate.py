@@ -33,8 +33,8 @@ import pytensor.tensor as pt
 from pytensor.compile.sharedvalue import SharedVariable
 
 from ._checks import check_params, param_label
-from ._graph import accumulator_dtype, get_or_compute_grads, hyperparameter, scalar_state, \
-    state_like
+from ._graph import accumulator_dtype, get_or_compute_grads, guard_updates, hyperparameter, \
+    scalar_state, state_like
 from .constraints import total_norm_constraint
 
 if TYPE_CHECKING:
@@ -324,15 +324,7 @@ class Accumulation:
             Each new value carries the step signal (``value.tag.step_signal``),
             which :class:`lasagne_accum.ModelAverage` reads.
         """
-        nonempty = self.is_step
-        out = OrderedDict()
-        for var, new in updates.items():
-            new = pt.as_tensor_variable(new)
-            if getattr(new.tag, "step_signal", None) is not nonempty:
-                new = pt.switch(nonempty, new, var)
-                new.tag.step_signal = nonempty
-            out[var] = new
-        return out
+        return guard_updates(updates, self.is_step)
 
 
 def accumulate_gradients(

@@ -17,7 +17,8 @@ import numpy as np
 import pytensor.tensor as pt
 
 from ._checks import check_int, check_params, param_label
-from ._graph import as_host_array, hyperparameter, scalar_state, state_like, write_value
+from ._graph import as_host_array, guard_updates, hyperparameter, scalar_state, state_like, \
+    write_value
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -185,13 +186,7 @@ class _SwappableAverage:
 
     def _gate(self, updates):
         """Keep everything unchanged on calls that take no optimizer step."""
-        if self._is_step is None:
-            return updates
-        gated = OrderedDict()
-        for v, new in updates.items():
-            gated[v] = pt.switch(self._is_step, new, v)
-            gated[v].tag.step_signal = self._is_step
-        return gated
+        return updates if self._is_step is None else guard_updates(updates, self._is_step)
 
     @property
     def steps(self) -> int:

@@ -42,7 +42,7 @@ def _copy_of(value: Any) -> Any:
         return value.copy()
     if isinstance(value, (np.random.Generator, np.random.RandomState)):
         return copy.deepcopy(value)
-    return np.array(as_host_array(value), copy=True)   # a JAX or torch array
+    return as_host_array(value)     # a JAX or torch array: copied to the host
 
 
 class AccumulationTrainer:

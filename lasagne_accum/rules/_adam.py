@@ -16,7 +16,7 @@ float64).
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,10 +34,9 @@ class Moments:
 
     param: Any
     dtype: str
-    grad: Any
     m: Any
     second: Any
-    updates: OrderedDict = field(default_factory=OrderedDict)
+    updates: OrderedDict
 
 
 def adam_moments(grads, params, beta1, beta2, prefix, kind="adam"):
@@ -80,7 +79,7 @@ def adam_moments(grads, params, beta1, beta2, prefix, kind="adam"):
                 v_hat_prev = state_like(param, f"{prefix}_vhat", i, dtype=dtype)
                 second = pt.maximum(v_hat_prev, second)
                 updates[v_hat_prev] = second
-        moments.append(Moments(param, dtype, g, m, second, updates))
+        moments.append(Moments(param, dtype, m, second, updates))
     return t_prev, t_next, moments
 
 

@@ -84,9 +84,12 @@ def _decay(weight_decay):
                 and not isinstance(weight_decay, bool) and float(weight_decay) == 0.0)
 
 
-def _adamw(grads, params, learning_rate, beta1, beta2, epsilon, weight_decay, exclude, name):
-    prefix = name or "adamw"
-    excluded = _excluded(exclude, params, "adamw")
+def _decoupled(rule, trust_ratio, grads, params, learning_rate, beta1, beta2, epsilon,
+               weight_decay, exclude, name):
+    """AdamW's step: optax's Adam direction plus the decoupled weight decay; with
+    `trust_ratio`, LAMB's: that direction scaled by the layer's trust ratio."""
+    prefix = name or rule
+    excluded = _excluded(exclude, params, rule)
     t_prev, t_next, moments = adam_moments(grads, params, beta1, beta2, prefix)
     directions = optax_directions(moments, beta1, beta2, epsilon, t_next)
     updates = OrderedDict()
@@ -97,11 +100,21 @@ def _adamw(grads, params, learning_rate, beta1, beta2, epsilon, weight_decay, ex
         p = _cast(param, dtype)
         lr = hyperparameter(learning_rate, "learning_rate", dtype, low=0)
         wd = hyperparameter(weight_decay, "weight_decay", dtype, low=0)
-        if _decay(weight_decay) and not skip:
-            u = u + wd * p
+        if not skip:
+            if _decay(weight_decay):
+                u = u + wd * p
+            if trust_ratio:
+                one = pt.constant(np.asarray(1, dtype=dtype))
+                zero = pt.constant(np.asarray(0, dtype=dtype))
+                u = u * _trust_ratio(p, u, one, zero)
         updates[param] = _cast(p - lr * u, param.type.dtype)
     updates[t_prev] = t_next
     return updates
+
+
+def _adamw(grads, params, learning_rate, beta1, beta2, epsilon, weight_decay, exclude, name):
+    return _decoupled("adamw", False, grads, params, learning_rate, beta1, beta2, epsilon,
+                      weight_decay, exclude, name)
 
 
 @_loss_rule
@@ -348,27 +361,8 @@ def lars(
 
 
 def _lamb(grads, params, learning_rate, beta1, beta2, epsilon, weight_decay, exclude, name):
-    prefix = name or "lamb"
-    excluded = _excluded(exclude, params, "lamb")
-    t_prev, t_next, moments = adam_moments(grads, params, beta1, beta2, prefix)
-    directions = optax_directions(moments, beta1, beta2, epsilon, t_next)
-    updates = OrderedDict()
-    for mom in moments:
-        updates.update(mom.updates)
-    for mom, u, skip in zip(moments, directions, excluded):
-        param, dtype = mom.param, mom.dtype
-        p = _cast(param, dtype)
-        lr = hyperparameter(learning_rate, "learning_rate", dtype, low=0)
-        wd = hyperparameter(weight_decay, "weight_decay", dtype, low=0)
-        if not skip:
-            if _decay(weight_decay):
-                u = u + wd * p
-            one = pt.constant(np.asarray(1, dtype=dtype))
-            zero = pt.constant(np.asarray(0, dtype=dtype))
-            u = u * _trust_ratio(p, u, one, zero)
-        updates[param] = _cast(p - lr * u, param.type.dtype)
-    updates[t_prev] = t_next
-    return updates
+    return _decoupled("lamb", True, grads, params, learning_rate, beta1, beta2, epsilon,
+                      weight_decay, exclude, name)
 
 
 @_loss_rule

@@ -14,7 +14,7 @@ import numpy as np
 import pytensor.tensor as pt
 
 from .._checks import check_params, param_label
-from .._graph import hyperparameter, state_like
+from .._graph import guard_updates, hyperparameter, state_like
 from ._adam import adam_moments
 from ._core import (
     _build,
@@ -110,11 +110,8 @@ def _keep_guard(result, param, velocity, signal):
     accumulation's apply step): the velocity and the parameter then keep their
     values when it is false, as the wrapped rule's did.
     """
-    if signal is None:
-        return
-    for var in (velocity, param):
-        result[var] = pt.switch(signal, result[var], var)
-        result[var].tag.step_signal = signal
+    if signal is not None:
+        result.update(guard_updates({velocity: result[velocity], param: result[param]}, signal))
 
 
 def _updated(updates, params, rule):
