@@ -16,10 +16,14 @@ backend fixes (the docs' backends page says which numbers differ there).
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import pathlib
 import re
 import warnings
 
-__all__ = ["SUPPORTED", "supported", "version_tuple", "register_rewrites", "TAGS"]
+__all__ = ["SUPPORTED", "supported", "version_tuple", "register_rewrites", "TAGS",
+           "source_key"]
 
 #: The PyTensor releases this seam is tested with: ``low <= version < high``.
 SUPPORTED = ("3.0.7", "3.1")
@@ -34,6 +38,16 @@ TAGS = {
 
 _checked: dict[str, bool] = {}
 _registered: list[bool] = []
+
+
+@functools.cache
+def source_key(path: str) -> str:
+    """A hash of the file at `path`, for the key of Numba code generated there.
+
+    Numba's on-disk cache is keyed by what a dispatcher says: with the
+    module's hash in the key, every edit of the generated code compiles afresh.
+    """
+    return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()[:16]
 
 
 def version_tuple(version: str) -> tuple[int, ...]:

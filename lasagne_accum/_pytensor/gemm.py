@@ -21,18 +21,15 @@
 
 from __future__ import annotations
 
-import hashlib
-import pathlib
 
 import numpy as np
 from pytensor.tensor.blas import Gemm
 
+from . import source_key
+
 __all__ = ["NumbaGemm", "numba_gemm_rewrites", "gemm_reset", "to_numba_gemm", "register_numba"]
 
 _registered: set[str] = set()
-# Numba's on-disk cache is keyed by what a dispatcher says; the source's hash
-# in the key makes every edit of this module compile afresh.
-SOURCE_KEY = hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest()[:16]
 
 
 class NumbaGemm(Gemm):
@@ -209,22 +206,6 @@ def _numba_gemm_kernels():
         scalar = np.dtype(dtype).type
 
         @numba_njit
-        def run_contiguous(z, alpha, x, y, beta):
-            m, k = x.shape
-            n = y.shape[1]
-            xl, ldx = layout(x)
-            if xl == 0:
-                x = np.ascontiguousarray(x)
-                xl, ldx = layout(x)
-            yl, ldy = layout(y)
-            if yl == 0:
-                y = np.ascontiguousarray(y)
-                yl, ldy = layout(y)
-            blas(N if yl == 2 else T, N if xl == 2 else T, np.int32(n), np.int32(m),
-                 np.int32(k), scalar(alpha), y, np.int32(ldy), x, np.int32(ldx),
-                 scalar(beta), z, np.int32(max(1, n)))
-
-        @numba_njit
         def run(z, alpha, x, y, beta):
             """z := beta * z + alpha * x @ y, in place (z has the product's shape)."""
             m, k = x.shape
@@ -232,11 +213,11 @@ def _numba_gemm_kernels():
             if m == 0 or n == 0:
                 return
             zl, ldz = layout(z)
-            if zl == 0:  # a layout BLAS cannot write: compute aside, copy in
-                tmp = np.ascontiguousarray(z)
-                run_contiguous(tmp, alpha, x, y, beta)
-                z[...] = tmp
-                return
+            aside = zl == 0
+            out = z
+            if aside:  # a layout BLAS cannot write: compute into a row-major copy, copy in
+                out = np.ascontiguousarray(z)
+                zl, ldz = 2, max(1, n)
             xl, ldx = layout(x)
             if xl == 0:
                 x = np.ascontiguousarray(x)
@@ -248,11 +229,13 @@ def _numba_gemm_kernels():
             if zl == 1:  # column-major Z (m x n) = alpha op(X) op(Y) + beta Z
                 blas(N if xl == 1 else T, N if yl == 1 else T, np.int32(m), np.int32(n),
                      np.int32(k), scalar(alpha), x, np.int32(ldx), y, np.int32(ldy),
-                     scalar(beta), z, np.int32(ldz))
+                     scalar(beta), out, np.int32(ldz))
             else:  # row-major Z is column-major Z^T (n x m) = alpha Y^T X^T + beta Z^T
                 blas(N if yl == 2 else T, N if xl == 2 else T, np.int32(n), np.int32(m),
                      np.int32(k), scalar(alpha), y, np.int32(ldy), x, np.int32(ldx),
-                     scalar(beta), z, np.int32(ldz))
+                     scalar(beta), out, np.int32(ldz))
+            if aside:
+                z[...] = out
 
         return run
 
@@ -288,27 +271,18 @@ def register_numba():
             def gemm_generic(z, a, x, y, b):
                 return _gemm_aside(z, a.item(), x, y, b.item()).astype(z.dtype)
 
-            return gemm_generic, f"lasagne_accum-gemm-generic-{dtype}-{SOURCE_KEY}"
+            return gemm_generic, f"lasagne_accum-gemm-generic-{dtype}-{source_key(__file__)}"
         run = gemm_into(dtype)
 
-        if inplace:
-            @numba_basic.numba_njit
-            def gemm(z, a, x, y, b):
-                if x.shape[1] != y.shape[0] or z.shape[0] != x.shape[0] or \
-                        z.shape[1] != y.shape[1]:
-                    return _gemm_aside(z, a.item(), x, y, b.item())
-                run(z, a.item(), x, y, b.item())
-                return z
-        else:
-            @numba_basic.numba_njit
-            def gemm(z, a, x, y, b):
-                if x.shape[1] != y.shape[0] or z.shape[0] != x.shape[0] or \
-                        z.shape[1] != y.shape[1]:
-                    return _gemm_aside(z, a.item(), x, y, b.item())
-                out = z.copy()
-                run(out, a.item(), x, y, b.item())
-                return out
+        @numba_basic.numba_njit
+        def gemm(z, a, x, y, b):
+            if x.shape[1] != y.shape[0] or z.shape[0] != x.shape[0] or \
+                    z.shape[1] != y.shape[1]:
+                return _gemm_aside(z, a.item(), x, y, b.item())
+            out = z if inplace else z.copy()
+            run(out, a.item(), x, y, b.item())
+            return out
 
-        return gemm, f"lasagne_accum-gemm-{dtype}-{inplace}-{SOURCE_KEY}"
+        return gemm, f"lasagne_accum-gemm-{dtype}-{inplace}-{source_key(__file__)}"
 
     _registered.add("numba-gemm")

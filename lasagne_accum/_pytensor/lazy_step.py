@@ -28,22 +28,20 @@ the Numba backend computes both branches on every call.
 
 from __future__ import annotations
 
-import hashlib
-import pathlib
 from typing import Any, Sequence
 
 import numpy as np
 from pytensor.compile.builders import OpFromGraph
 from pytensor.graph.basic import Apply, Constant, Variable
 from pytensor.graph.op import Op
+from pytensor.graph.traversal import ancestors
+
+from . import source_key
 
 __all__ = ["WindowStep", "window_step", "LazyStep", "to_lazy_step", "inplace",
            "register_numba"]
 
 _registered: set[str] = set()
-# Numba's on-disk cache is keyed by what a dispatcher says; this file's hash in the
-# key makes every edit of the generated code compile afresh.
-SOURCE_KEY = hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest()[:16]
 
 
 def _overlaps_another(value, own, arrays) -> bool:
@@ -74,22 +72,8 @@ def _as_list(outputs: Any) -> list[Variable]:
 
 def _cut(stepped: Sequence[Variable], computed: set) -> list[Variable]:
     """What the graph of `stepped` reads: variables in `computed`, or roots that are not constants."""
-    found: dict[Variable, None] = {}
-    seen: set = set()
-    todo = list(stepped)
-    while todo:
-        v = todo.pop()
-        if v in seen:
-            continue
-        seen.add(v)
-        if v in computed:
-            found[v] = None
-        elif v.owner is None:
-            if not isinstance(v, Constant):
-                found[v] = None
-        else:
-            todo.extend(v.owner.inputs)
-    return list(found)
+    return [v for v in ancestors(stepped, blockers=computed)
+            if v in computed or (v.owner is None and not isinstance(v, Constant))]
 
 
 def window_step(keep: Variable, states: Sequence[Variable], stepped: Sequence[Variable],
@@ -117,7 +101,6 @@ def window_step(keep: Variable, states: Sequence[Variable], stepped: Sequence[Va
         One per state.
     """
     from pytensor.ifelse import ifelse
-    from pytensor.graph.traversal import ancestors
 
     states, stepped = list(states), list(stepped)
     outer = set(ancestors([keep, *states, *computed]))
@@ -470,9 +453,9 @@ def register_numba():
         fn = numba_basic.numba_njit(compile_numba_function_src(
             src, "lazy_step", {"inner": inner, "store": store, "store0": store0, "aside": aside,
                                "bounds": bounds}))
+        own = source_key(__file__)
         key = None if inner_key is None else sha256(
-            str(("lasagne_accum.LazyStep", n, op.zeros, inner_key, SOURCE_KEY)).encode()
-        ).hexdigest()
+            str(("lasagne_accum.LazyStep", n, op.zeros, inner_key, own)).encode()).hexdigest()
         return fn, key
 
     _registered.add("numba")

@@ -50,6 +50,8 @@ from pytensor.graph.op import Op
 from pytensor.link.jax.linker import JAXLinker as _PyTensorJAXLinker
 from pytensor.link.pytorch.linker import PytorchLinker as _PyTensorPytorchLinker
 
+from .values import BASE_REFCOUNT, refcounts, to_host, to_torch
+
 __all__ = ["Fixed", "JAXLinker", "PytorchLinker"]
 
 _registered: set[str] = set()
@@ -379,8 +381,6 @@ class DonatingCall:
     def __call__(self, *args):
         for cell in self._out_cells:   # last call's outputs: the state's current values
             cell[0] = None
-        from .values import BASE_REFCOUNT, refcounts
-
         counts = refcounts(args, self.donated)
         fixed = None
         for i, count in zip(self.donated, counts):
@@ -397,8 +397,6 @@ class DonatingCall:
         for i in self._convert:
             value = (fixed or args)[i]
             if type(value).__module__.startswith("torch"):
-                from .values import to_host
-
                 fixed = fixed or list(args)
                 fixed[i] = to_host(value, self._names[i], "jax")
         if self._static_args:
@@ -417,11 +415,6 @@ class JAXLinker(_PyTensorJAXLinker):
     at once (:class:`DonatingCall`). PyTensor's converter also keeps a copy of
     every shared value from the time the function was built; dropped here.
     """
-
-    def accept(self, fgraph, no_recycling=None, profile=None):
-        if self.fgraph is not None and self.fgraph is not fgraph:
-            return type(self)(allow_gc=self.allow_gc).accept(fgraph, no_recycling, profile)
-        return super().accept(fgraph, no_recycling, profile)
 
     def fgraph_convert(self, fgraph, input_storage, storage_map, **kwargs):
         _register_jax()
@@ -604,8 +597,6 @@ class TorchCall:
     def __call__(self, *inputs):
         import torch
 
-        from .values import to_torch
-
         for cell in self._out_cells:
             cell[0] = None
         device = self.device
@@ -747,8 +738,6 @@ class HostCall:
             value = cell[0]
             if type(value) is not np.ndarray and type(value).__module__.startswith(
                     ("jax", "torch")):
-                from .values import to_host
-
                 cell[0] = to_host(value, name, self._backend)
         return self._vm(*args, **kwargs)
 

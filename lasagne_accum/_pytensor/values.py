@@ -117,10 +117,10 @@ def torch_device(device: Any) -> Any:
     return dev
 
 
-def to_torch(value: Any, device: Any, name: str = "value", copy: bool = False) -> Any:
+def to_torch(value: Any, device: Any, name: str = "value") -> Any:
     """`value` as a torch tensor on `device`.
 
-    A tensor already there is returned as it is (unless `copy`); anything
+    A tensor already there is returned as it is; anything
     else is copied (never shared with numpy or JAX memory, so that writing
     into the tensor in place cannot change another backend's value).
 
@@ -132,7 +132,7 @@ def to_torch(value: Any, device: Any, name: str = "value", copy: bool = False) -
     import torch
 
     if isinstance(value, torch.Tensor):
-        if value.device == device and not copy:
+        if value.device == device:
             return value
         return value.detach().to(device, copy=True)
     try:
