@@ -264,3 +264,26 @@ def test_merge_gives_the_formulas_bits(dtype, k):
                     merge_numpy(arrays, weights, total, dtype, mean)):
             assert got.dtype == np.dtype(dtype) and got.shape == (64, 33)
             assert got.tobytes() == expected.tobytes(), mean
+
+
+@needs_dask
+def test_a_call_from_an_event_loop_thread_keeps_its_timing():
+    # a thread that runs an event loop hands the call to a helper thread: the timing the
+    # call measured there is this thread's timing after it
+    import asyncio
+
+    from lasagne_accum.distributed.dask.transport import _links, helper_thread
+
+    t = _Fake([(True, "done", 0.002, 0.003)])
+    t.needs_event_loop = True
+
+    async def in_a_loop():
+        _links.timing = dict(serialise=0.0, shard=0.0, round=0.0)
+        return t.call({0: ("pid", ())}, "pid"), dict(_links.timing)
+
+    try:
+        out, timing = asyncio.run(in_a_loop())
+        assert out == {0: "done"}
+        assert timing["shard"] == 0.002 and timing["round"] == 0.003
+    finally:
+        helper_thread().submit(_links.drop, t.keys()).result()

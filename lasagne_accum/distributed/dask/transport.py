@@ -76,11 +76,6 @@ _links = _Links()
 _helper = None
 
 
-def links():
-    """This thread's table of persisted links (for tests)."""
-    return _links
-
-
 def helper_thread():
     """One thread for calls from a thread that already runs an event loop (a notebook)."""
     global _helper
@@ -217,7 +212,11 @@ class Transport:
             except RuntimeError:
                 pass
             else:                 # this thread runs an event loop: use a thread that does not
-                return helper_thread().submit(self.call, jobs, what, extra, between).result()
+                def there():      # and bring its timing back to this thread
+                    return self.call(jobs, what, extra, between), _links.timing
+
+                out, _links.timing = helper_thread().submit(there).result()
+                return out
         lost = self.lost_errors()
         timeout = self.server.options.wait_timeout + GRACE + extra
         end = time.monotonic() + timeout
