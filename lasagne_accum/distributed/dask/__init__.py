@@ -67,7 +67,7 @@ Importing this package does not import ``distributed``; the functions that
 need it do.
 """
 
-from .actor import HANDLER, ShardActor
+from .actor import HANDLER, ShardActor  # noqa: F401  (internal: importable from here too)
 from .cluster import connect, local_cluster
 from .run import run_dask
 from .server import DaskParameterServer

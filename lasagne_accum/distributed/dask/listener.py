@@ -255,8 +255,9 @@ class _Link(asyncio.BufferedProtocol):
             del body
             if self.state == "closed":
                 return
-            header = wire.size(pieces).to_bytes(wire.HEADER, "little")
-            if wire.size(pieces) <= wire.JOIN_BELOW:   # one write, one wake-up of the caller
+            size = wire.size(pieces)
+            header = size.to_bytes(wire.HEADER, "little")
+            if size <= wire.JOIN_BELOW:   # one write, one wake-up of the caller
                 self.transport.write(b"".join([header, *pieces]))
             else:               # piece by piece: each sent from where it lies, if it can be
                 self.transport.write(header)

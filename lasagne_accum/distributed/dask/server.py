@@ -185,15 +185,16 @@ class DaskParameterServer(BaseServer):
             return None
         return worker.state.actors.get(self._keys[g])
 
-    def _run(self, jobs, what, extra=0.0):
+    def _run(self, jobs, what, extra=0.0, here=None):
         """``{g: (method, args)}``: the shards of this process directly, the others by message.
 
-        This thread's timing (:meth:`last_timing`) counts the direct calls as
-        shard seconds.
+        `here` is ``{g: self._here(g)}`` where the caller has it. This thread's
+        timing (:meth:`last_timing`) counts the direct calls as shard seconds.
         """
         self._check_open()
         out = {}
-        here = {g: self._here(g) for g in jobs}
+        if here is None:
+            here = {g: self._here(g) for g in jobs}
         local_s = 0.0
 
         def local():
@@ -240,9 +241,10 @@ class DaskParameterServer(BaseServer):
 
     def _push(self, indices, calls, pull, wait):
         groups = self._groups(indices, calls)
+        here = {g: self._here(g) for g in groups}
         per = {}
         for g, items in groups.items():
-            if self._here(g) is not None:        # kept by this process's shards: a copy
+            if here[g] is not None:              # kept by this process's shards: a copy
                 per[g] = [(n, (c[0], c[1], [np.array(a) for a in c[2]], c[3], c[4]))
                           for _, n, c in items]
             else:
@@ -251,7 +253,7 @@ class DaskParameterServer(BaseServer):
         if need_check:          # all or nothing across processes: check everywhere first
             outs = self._run({g: ("check", ([(n, (c[0], c[1], None, None, c[4]))
                                              for n, c in per[g]],))
-                              for g in groups}, "push (check)")
+                              for g in groups}, "push (check)", here=here)
             for g in groups:
                 if isinstance(outs[g], Exception):
                     raise outs[g]
@@ -263,12 +265,11 @@ class DaskParameterServer(BaseServer):
         # rounds (serve_here), while the others work; then the replies; then this
         # process's rounds
         outs = self._run({g: ("push", (per[g], pull, wait)) for g in groups}, "push",
-                         extra=self.options.wait_timeout)
+                         extra=self.options.wait_timeout, here=here)
         failed = any(isinstance(v, Exception) or not v[0] for v in outs.values())
         if self.mode == "sync" and wait and not failed:
             start = time.perf_counter()
-            for g in groups:
-                actor = self._here(g)
+            for g, actor in here.items():
                 if actor is not None:
                     outs[g] = actor.wait_here(per[g], outs[g], pull)
             _links.timing["round"] = max(_links.timing["round"], time.perf_counter() - start)
