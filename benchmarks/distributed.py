@@ -407,7 +407,7 @@ class TorchGroup:
     kept for every round: started here, stopped here by process id."""
 
     def __init__(self, kind, world, log):
-        self.kind, self.world = kind, world
+        self.kind = kind
         self.store = tempfile.mktemp(prefix=f"lasagne-bench-{kind}-", dir=tempfile.gettempdir())
         env = dict(os.environ, **TORCH_ENV)
         self.ranks = [common.Worker(__file__, f"torch-{kind}", threads=1, log=log, env=env,
@@ -416,10 +416,6 @@ class TorchGroup:
                                     label=f"{kind}{world}/{r}")
                       for r in range(world)]
         self.meta = [w.ready() for w in self.ranks]
-
-    @property
-    def pids(self):
-        return [w.proc.pid for w in self.ranks]
 
     def listening(self):
         return [tuple(a) for m in self.meta for a in m["listening"]]
@@ -523,11 +519,6 @@ def parts_per_push(results):
     return {k: v / pushes * 1e3 for k, v in total.items()}
 
 
-def dask_listening(dask_worker):
-    """A Dask worker process's listening sockets (run there by ``client.run``)."""
-    return listening_here()
-
-
 def time_to_accuracy(result, accuracy, X, y):
     """Seconds from the start of training to the first snapshot at TARGET_ACCURACY."""
     for t, _, params in result.history:
@@ -600,7 +591,7 @@ def main(argv=None):
     groups = {}
     with local_cluster(2 + args.shard_processes) as client:
         client.wait_for_workers(2 + args.shard_processes, timeout=120)
-        for address, socks in client.run(dask_listening).items():
+        for address, socks in client.run(listening_here).items():
             listening += [(f"dask worker {address}", a, p) for a, p in socks]
         try:
             if why_not is None:

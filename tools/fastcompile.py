@@ -21,7 +21,7 @@ What it does not change: the code. The precompiled header holds exactly the
 module's own include block, built with the module's own command line, and
 the module reads its includes again after it (include guards make that
 free). The object code is the same instruction for instruction (checked in
-``tests/test_compiling.py`` through PyTensor's own compile command).
+``tests/test_fastcompile.py`` through PyTensor's own compile command).
 PyTensor's cache keys are untouched too, so modules compiled with and without
 it are interchangeable. g++ refuses a precompiled header that does not match
 a compile's flags and reads the header text instead: the same result, slower.
