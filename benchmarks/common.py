@@ -33,6 +33,7 @@ Not a test: the scripts print ratio tables measured side by side in one run
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import json
@@ -444,6 +445,30 @@ def worker_log(prefix):
     return tempfile.NamedTemporaryFile("w+", prefix=f"{prefix}-", suffix=".log", delete=False)
 
 
+@contextlib.contextmanager
+def started_workers(workers, log=None, one_at_a_time=False):
+    """Start workers and yield them; print the end of `log` if one fails; close them all.
+
+    `workers`, `log` and `one_at_a_time` are as in :func:`run_workers`.
+    """
+    started = []
+    try:
+        for kwargs in workers:
+            started.append(Worker(log=log, **kwargs))
+            if one_at_a_time:
+                started[-1].ready()
+        yield started
+    except RuntimeError:
+        if log is not None and hasattr(log, "seek"):
+            log.flush()
+            log.seek(0)
+            sys.stderr.write(log.read()[-5000:])
+        raise
+    finally:
+        for w in started:
+            w.close()
+
+
 def run_workers(workers, rounds, max_seconds=None, log=None, one_at_a_time=False):
     """The parent's part: start workers, wait until ready, interleaved rounds, close.
 
@@ -466,21 +491,7 @@ def run_workers(workers, rounds, max_seconds=None, log=None, one_at_a_time=False
     (meta, samples)
         ``{name: ready metadata}`` and :func:`interleaved_rounds`' samples.
     """
-    started = []
-    try:
-        for kwargs in workers:
-            started.append(Worker(log=log, **kwargs))
-            if one_at_a_time:
-                started[-1].ready()
+    with started_workers(workers, log, one_at_a_time) as started:
         meta = {w.name: w.meta if w.meta is not None else w.ready() for w in started}
         samples = interleaved_rounds(started, rounds, max_seconds)
-    except RuntimeError:
-        if log is not None and hasattr(log, "seek"):
-            log.flush()
-            log.seek(0)
-            sys.stderr.write(log.read()[-5000:])
-        raise
-    finally:
-        for w in started:
-            w.close()
     return meta, samples

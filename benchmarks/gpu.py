@@ -54,7 +54,6 @@ no GPU number is printed that was not measured on a GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -65,8 +64,8 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-from common import Worker, interleaved_rounds, load_average, median, serve, worker_io, \
-    worker_log  # noqa: E402  (no heavy imports)
+from common import interleaved_rounds, load_average, median, serve, started_workers, \
+    worker_io, worker_log  # noqa: E402  (no heavy imports)
 
 CONFIGS = ("la-jax", "optax", "la-torch", "torch-loop", "c")
 MODELS = ("cnn", "mlp")
@@ -510,22 +509,13 @@ def main(argv=None):
     print(load_average(), flush=True)
     table, paths, devices = [], {}, {}
     for kind in models:
-        workers = []
-        try:
-            for config in configs:   # one at a time: compile times not under each other
-                w = Worker(HERE, f"{config}:{kind}", common_args, log=log, label=config)
-                workers.append(w)
-                devices[config] = w.ready()["device"]
+        specs = [dict(script=HERE, name=f"{config}:{kind}", args=common_args, label=config)
+                 for config in configs]
+        # one at a time: compile times not under each other
+        with started_workers(specs, log, one_at_a_time=True) as workers:
+            devices.update((w.name, w.meta["device"]) for w in workers)
             samples = interleaved_rounds(workers, args.rounds)
             reports = {w.name: w.run(-1) for w in workers}
-        except RuntimeError:
-            log.flush()
-            log.seek(0)
-            sys.stderr.write(log.read()[-5000:])
-            raise
-        finally:
-            for w in workers:
-                w.close()
         for config in configs:
             paths[(config, kind)] = reports[config]["params"]
         for config in configs:
