@@ -106,9 +106,10 @@ _PROBE = textwrap.dedent("""
 """)
 
 
-def _probe(which):
+def _probe(which, script=_PROBE):
+    """Run `script` with the argument `which` in a fresh process; its last line as JSON."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, "-c", _PROBE, which], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", script, which], capture_output=True,
                           text=True, env=env, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -175,14 +176,7 @@ def test_an_unsupported_pytensor_gets_the_plain_modes_with_one_warning():
     """A PyTensor outside the tested range (faked here): ``mode()`` warns once and
     returns PyTensor's own modes; the single-function form is PyTensor's IfElse and
     gives the same numbers, bit for bit."""
-    def run(version):
-        done = subprocess.run([sys.executable, "-c", _VERSION_PROBE, version],
-                              capture_output=True, text=True, timeout=600, cwd=ROOT,
-                              env=dict(os.environ, PYTHONPATH=ROOT))
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-    future, real = run("3.2.0"), run("real")
+    future, real = _probe("3.2.0", _VERSION_PROBE), _probe("real", _VERSION_PROBE)
     assert len(future["warnings"]) == 1 and "found 3.2.0" in future["warnings"][0]
     assert future["plain"] and "IfElse" in future["ops"] and "LazyStep" not in future["ops"]
     assert real["warnings"] == [] and not real["plain"] and "LazyStep" in real["ops"]
