@@ -224,10 +224,10 @@ def _alive(client, server):
         set(client.run(os.getpid).values()) >= set(pids.values())
 
 
-# ------------------------------------------------------------------ the cases
-
-
-def test_links_not_yet_admitted_are_capped_and_time_out(client, server):
+def _idle_connects(client, server):
+    """40 more idle connects (no token) than the listener keeps pending, held past a
+    4 s handshake timeout: ``(before, during, after)`` counts, the growth of the shard
+    process's memory, and the other callers' latencies meanwhile."""
     from lasagne_accum.distributed.dask import listener
 
     address = server._transport.addresses[0]
@@ -235,7 +235,7 @@ def test_links_not_yet_admitted_are_capped_and_time_out(client, server):
     rss = next(iter(client.run(_rss).values()))
     idle = []
     with _Limits(client, HANDSHAKE_TIMEOUT=4.0), _Latency(server) as latency:
-        for _ in range(listener.MAX_PENDING + 40):        # idle connects, no token
+        for _ in range(listener.MAX_PENDING + 40):
             idle.append(socket.create_connection(address, timeout=10))
         during = _accepted(client, before, listener.MAX_PENDING + 40)
         grown = next(iter(client.run(_rss).values())) - rss
@@ -243,6 +243,16 @@ def test_links_not_yet_admitted_are_capped_and_time_out(client, server):
         after = next(iter(client.run(_counts).values()))
     for sock in idle:
         sock.close()
+    return before, during, after, grown, latency
+
+
+# ------------------------------------------------------------------ the cases
+
+
+def test_links_not_yet_admitted_are_capped_and_time_out(client, server):
+    from lasagne_accum.distributed.dask import listener
+
+    before, during, after, grown, latency = _idle_connects(client, server)
     assert during["pending"] == listener.MAX_PENDING
     assert during["refused_pending"] - before["refused_pending"] == 40
     assert after["pending"] == 0
@@ -408,27 +418,15 @@ def test_one_links_pipelined_requests_do_not_starve_the_others(client, server):
     assert sum(t > 0 for t in latency.times) > 5
 
 
-def test_tls_listener_caps_pending_handshakes(client):
+def test_tls_listener_caps_pending_handshakes():
     """The fuzzer's first case: plain TCP connects, idle, to a TLS cluster's listener."""
     from lasagne_accum.distributed.dask import listener, local_cluster
 
     with local_cluster(1, security=True) as tls:
         server = _server(tls)
         try:
-            address = server._transport.addresses[0]
             assert tls.scheduler_info()["address"].startswith("tls://127.0.0.1:")
-            rss = next(iter(tls.run(_rss).values()))
-            idle = []
-            before = next(iter(tls.run(_counts).values()))
-            with _Limits(tls, HANDSHAKE_TIMEOUT=4.0), _Latency(server) as latency:
-                for _ in range(listener.MAX_PENDING + 40):
-                    idle.append(socket.create_connection(address, timeout=10))
-                during = _accepted(tls, before, listener.MAX_PENDING + 40)
-                grown = next(iter(tls.run(_rss).values())) - rss
-                time.sleep(4.5)
-                after = next(iter(tls.run(_counts).values()))
-            for sock in idle:
-                sock.close()
+            before, during, after, grown, latency = _idle_connects(tls, server)
             assert during["pending"] == listener.MAX_PENDING
             assert during["refused_pending"] == 40
             assert after["pending"] == 0 and after["handshake_timeout"] == listener.MAX_PENDING
