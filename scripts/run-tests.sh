@@ -9,4 +9,4 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 EXTRAS="${EXTRAS:-examples,test,distributed,backends}" bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
-exec .venv/bin/python -m pytest "$@"
+exec "${VENV:-.venv}/bin/python" -m pytest "$@"

@@ -6,27 +6,31 @@
 #    gfortran runtime that PyTensor's BLAS detection links against. Without
 #    them PyTensor's C backend warns "could not link to a BLAS installation"
 #    and its matrix products run several times slower.
-# 2. .venv with this package installed in editable mode plus the extras named
-#    in $EXTRAS (default: examples,test). Reinstalled only when setup.cfg
-#    changes.
+# 2. .venv (or the folder named by $VENV) with this package installed in
+#    editable mode plus the extras named in $EXTRAS (default: examples,test).
+#    Reinstalled only when setup.cfg changes. $PYTHON picks the interpreter
+#    that creates it (default: the first of python3.11, python3.12, python3.13,
+#    python3 that runs).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 EXTRAS="${EXTRAS:-examples,test}"
+VENV="${VENV:-.venv}"
 PYTHON="${PYTHON:-}"
 if [ -z "$PYTHON" ]; then
-  for candidate in python3.11 python3.12 python3.10 python3; do
-    if command -v "$candidate" >/dev/null 2>&1; then PYTHON="$candidate"; break; fi
+  # "runs", not only "is on PATH": a pyenv shim of a version that is not active fails
+  for candidate in python3.11 python3.12 python3.13 python3; do
+    if "$candidate" -c "import sys" >/dev/null 2>&1; then PYTHON="$candidate"; break; fi
   done
 fi
-[ -n "$PYTHON" ] || { echo "setup: no python3 found; install Python 3.10+" >&2; exit 1; }
+[ -n "$PYTHON" ] || { echo "setup: no python3 found; install Python 3.11+" >&2; exit 1; }
 
 # --- system packages -------------------------------------------------------
 need_pkgs=()
 if ! command -v g++ >/dev/null 2>&1; then need_pkgs+=(g++); fi
 # Debian ships venv's pip bootstrap (ensurepip) in a separate package
-if ! "$PYTHON" -c "import ensurepip" >/dev/null 2>&1 && [ ! -x .venv/bin/python ]; then
+if ! "$PYTHON" -c "import ensurepip" >/dev/null 2>&1 && [ ! -x "$VENV/bin/python" ]; then
   need_pkgs+=("python$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')-venv")
 fi
 if command -v dpkg-query >/dev/null 2>&1; then
@@ -49,12 +53,12 @@ if [ ${#need_pkgs[@]} -gt 0 ]; then
 fi
 
 # --- virtual environment ---------------------------------------------------
-if [ ! -x .venv/bin/python ]; then
-  echo "setup: creating .venv with $PYTHON" >&2
-  "$PYTHON" -m venv .venv || { rm -rf .venv; echo "setup: '$PYTHON -m venv' failed" \
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating $VENV with $PYTHON" >&2
+  "$PYTHON" -m venv "$VENV" || { rm -rf "$VENV"; echo "setup: '$PYTHON -m venv' failed" \
       "(on Debian/Ubuntu: apt-get install python3-venv)" >&2; exit 1; }
 fi
-stamp=".venv/.lasagne_accum-installed"   # line 1: hash of the package metadata; line 2: extras
+stamp="$VENV/.lasagne_accum-installed"   # line 1: hash of the package metadata; line 2: extras
 meta="$(cat setup.cfg pyproject.toml | sha1sum | cut -d' ' -f1)"
 have_meta="$(sed -n 1p "$stamp" 2>/dev/null || true)"
 have_extras="$(sed -n 2p "$stamp" 2>/dev/null || true)"
@@ -65,15 +69,15 @@ done
 if [ "$have_meta" != "$meta" ] || [ -n "$missing" ]; then
   [ "$have_meta" = "$meta" ] || have_extras=""
   all="$(echo "$have_extras,$EXTRAS" | tr ',' '\n' | sed '/^$/d' | sort -u | paste -sd, -)"
-  echo "setup: installing lasagne_accum[$all] into .venv" >&2
+  echo "setup: installing lasagne_accum[$all] into $VENV" >&2
   # --no-compile: Python writes the .pyc of what is imported at first import, instead of
   # pip byte-compiling every file of torch, JAX and Dask at install (67 s -> 28 s here)
-  .venv/bin/python -m pip install -q --no-compile -e ".[$all]"
+  "$VENV/bin/python" -m pip install -q --no-compile -e ".[$all]"
   printf '%s\n%s\n' "$meta" "$all" > "$stamp"
 fi
 
 # --- check the backend -----------------------------------------------------
-if ! .venv/bin/python -W ignore -c \
+if ! "$VENV/bin/python" -W ignore -c \
     "import pytensor, sys; sys.exit(0 if pytensor.config.blas__ldflags else 1)"; then
   echo "setup: warning: PyTensor found no BLAS; the C backend will be slow" \
        "(lasagne_accum then compiles with Numba only)" >&2

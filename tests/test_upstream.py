@@ -16,6 +16,7 @@ import pytensor.tensor as pt
 import pytest
 
 import lasagne_accum as la
+from lasagne_accum._pytensor import fixed_upstream
 
 pytestmark = pytest.mark.real_backend   # these are about the backends' generated code
 
@@ -78,12 +79,17 @@ def test_jax_arange_refuses_a_stop_of_128_or_more():
     p, y = pt.matrix("p"), pt.ivector("y")
     picked = p[pt.arange(y.shape[0]), y]
     pv, yv = np.arange(600.0).reshape(200, 3), np.arange(200, dtype="int32") % 3
+    want = pv[np.arange(200), yv]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(OverflowError, match="int8"):
-            pytensor.function([p, y], picked, mode="JAX")(pv, yv)
+        if fixed_upstream("jax_arange"):   # our fix is left out there: PyTensor's own is right
+            plain = pytensor.function([p, y], picked, mode="JAX")(pv, yv)
+            np.testing.assert_array_equal(np.asarray(plain), want)
+        else:
+            with pytest.raises(OverflowError, match="int8"):
+                pytensor.function([p, y], picked, mode="JAX")(pv, yv)
         got = pytensor.function([p, y], picked, mode=la.mode("JAX"))(pv, yv)
-    np.testing.assert_array_equal(np.asarray(got), pv[np.arange(200), yv])
+    np.testing.assert_array_equal(np.asarray(got), want)
 
 
 @needs_torch
@@ -121,12 +127,46 @@ def test_jax_reshape_to_a_shape_computed_from_the_batch_fails():
         f = pytensor.function([x], loss, updates={total: total + x.shape[0]}, mode=mode)
         return float(f(xv)), float(total.get_value())
 
+    want = (float((xv.reshape(12, 2) @ np.ones((2, 3))).mean()), 3.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(TypeError, match="Shapes must be 1D sequences of concrete values"):
-            run("JAX")
         got = run(la.mode("JAX"))
-    assert got == (float((xv.reshape(12, 2) @ np.ones((2, 3))).mean()), 3.0)
+        assert got == want
+        try:
+            plain = run("JAX")
+        except TypeError as error:
+            assert "Shapes must be 1D sequences of concrete values" in str(error)
+        else:   # the fix stays: the im2col convolution's JAX run still needs it there
+            assert plain == want
+            pytest.skip(f"PyTensor {pytensor.__version__} computes this reshape right; "
+                        "examples/digits_cnn.py under plain JAX still fails "
+                        "(tests/test_examples.py runs it in lasagne_accum.mode('JAX'))")
+
+
+@needs_jax
+def test_jax_lazy_ifelse_branches_disagree_in_dtype_on_a_float32_graph():
+    """PyTensor 3.3 turns ``ifelse`` into a ``LazyIfElse`` whose branches are inner
+    graphs; ``pt.zeros(shape, dtype="float32")`` there comes back float64 (the
+    ``Alloc`` bug above, where our outer-graph fix cannot reach) and
+    ``jax.lax.cond`` refuses the pair: the single-function form's reset of a
+    float32 buffer is this graph."""
+    from lasagne_accum._pytensor.compat import ifelse
+
+    a, c = pt.matrix("a", dtype="float32"), pt.scalar("c", dtype="bool")
+    out = ifelse(c, a, pt.zeros(a.shape, dtype="float32"))
+    av = np.ones((2, 3), "float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = pytensor.function([c, a], out, mode="JAX")
+        lazy = {type(n.op).__name__ for n in plain.maker.fgraph.apply_nodes} & {"LazyIfElse"}
+        if lazy:
+            with pytest.raises(TypeError, match="cond branches must have equal output types"):
+                plain(False, av)
+        ours = pytensor.function([c, a], out, mode=la.mode("JAX"))
+        for cond, want in ((True, av), (False, np.zeros_like(av))):
+            got = np.asarray(ours(cond, av))
+            assert got.dtype == np.float32
+            np.testing.assert_array_equal(got, want)
 
 
 @needs_jax

@@ -54,7 +54,7 @@ from typing import Any
 __all__ = ["use_precompiled_headers", "use_parallel_compile", "TESTED"]
 
 #: The PyTensor releases this tool is tested with: ``low <= version < high``.
-TESTED = ("3.0.7", "3.1")
+TESTED = ("3.0.7", "3.4")
 
 #: The include lines PyTensor 3's C backend opens its modules with. A module
 #: whose leading include block uses only these (in any order or number) gets a
@@ -477,6 +477,15 @@ def _dlimport_workdir(basedir):
 def _pool() -> ThreadPoolExecutor:
     """The process's compile threads (one pool, so nested compiles share the ``jobs``)."""
     global _executor
+    # What the jobs import lazily (PyTensor's compile lock imports filelock at
+    # its first use) is imported here, before any job thread exists: two threads
+    # making the first import of a package whose files have no bytecode yet can
+    # race in importlib's directory cache, and one of them then sees
+    # "No module named 'filelock'".
+    import filelock  # noqa: F401
+    from pytensor.compile import compilelock  # noqa: F401
+    from pytensor.link.c import cmodule  # noqa: F401
+
     with _lock:
         if _executor is None or _executor._max_workers != _jobs:
             if _executor is not None:

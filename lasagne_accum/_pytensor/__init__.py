@@ -23,10 +23,18 @@ import re
 import warnings
 
 __all__ = ["SUPPORTED", "supported", "version_tuple", "register_rewrites", "TAGS",
-           "source_key"]
+           "source_key", "FIXED_UPSTREAM", "fixed_upstream"]
 
 #: The PyTensor releases this seam is tested with: ``low <= version < high``.
-SUPPORTED = ("3.0.7", "3.1")
+#: CI runs the suite on both ends: 3.0.7 (the newest release for Python 3.11)
+#: and the newest 3.3.x (Python 3.12+).
+SUPPORTED = ("3.0.7", "3.4")
+
+#: Our backend fixes that PyTensor has made unnecessary, and the first release
+#: tested without the bug (``tests/test_upstream.py`` checks both sides).
+FIXED_UPSTREAM = {
+    "jax_arange": "3.3",   # constant bounds no longer reach jnp.arange as int8
+}
 
 #: The optimizer tag of our rewrites for each kind of backend.
 TAGS = {
@@ -64,6 +72,13 @@ def version_tuple(version: str) -> tuple[int, ...]:
     if match is None:
         return ()
     return tuple(int(part) for part in match.group(0).split("."))
+
+
+def fixed_upstream(fix: str) -> bool:
+    """Whether the installed PyTensor has fixed the bug behind `fix` (a key of :data:`FIXED_UPSTREAM`)."""
+    import pytensor
+
+    return version_tuple(str(pytensor.__version__)) >= version_tuple(FIXED_UPSTREAM[fix])
 
 
 def supported() -> bool:

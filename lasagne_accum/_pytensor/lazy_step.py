@@ -100,7 +100,7 @@ def window_step(keep: Variable, states: Sequence[Variable], stepped: Sequence[Va
     list of variables
         One per state.
     """
-    from pytensor.ifelse import ifelse
+    from .compat import ifelse
 
     states, stepped = list(states), list(stepped)
     outer = set(ancestors([keep, *states, *computed]))
@@ -123,15 +123,16 @@ def _is_zeros(v) -> bool:
         v.owner.inputs[0])
 
 
-def _inner_ifelse(op: WindowStep):
-    """The ``IfElse`` node of a window step's inner graph, or None."""
-    from pytensor.ifelse import IfElse
+def _inner_ifelse(fgraph):
+    """The ``IfElse`` node of a window step's inner graph `fgraph`, or None."""
+    from .compat import IfElse
 
-    owners = {o.owner for o in op.fgraph.outputs}
+    owners = {o.owner for o in fgraph.outputs}
     if len(owners) != 1:
         return None
     (node,) = owners
-    if node is None or not isinstance(node.op, IfElse) or node.outputs != op.fgraph.outputs:
+    if node is None or not isinstance(node.op, IfElse) or list(node.outputs) != list(
+            fgraph.outputs):
         return None
     return node
 
@@ -280,14 +281,16 @@ def to_lazy_step():
     from pytensor.graph.fg import FunctionGraph
     from pytensor.graph.rewriting.basic import dfs_rewriter, node_rewriter
 
+    from .compat import mutable_graph
+
     @node_rewriter([WindowStep])
     def local_window_step_to_lazy_step(fgraph, node):
-        op = node.op
-        ifelse_node = _inner_ifelse(op)
+        fg = mutable_graph(node.op.fgraph)
+        ifelse_node = _inner_ifelse(fg)
         if ifelse_node is None:
             return None
         n = ifelse_node.op.n_outs
-        inner_inputs = list(op.fgraph.inputs)
+        inner_inputs = list(fg.inputs)
         states, stepped = ifelse_node.inputs[1:1 + n], ifelse_node.inputs[1 + n:]
         if list(states) != inner_inputs[1:1 + n] or ifelse_node.inputs[0] is not inner_inputs[0]:
             return None  # not what window_step builds
@@ -306,7 +309,8 @@ def _as_ifelse(node) -> list[Variable]:
     """A :class:`LazyStep` node's outputs written as the plain ``ifelse``."""
     import pytensor.tensor as pt
     from pytensor.graph.replace import clone_replace
-    from pytensor.ifelse import ifelse
+
+    from .compat import ifelse
 
     op = node.op
     cond, args = node.inputs[0], node.inputs[1:]

@@ -9,14 +9,18 @@ plain PyTensor in the docs' backends page (and checked by
   float64 and, through the update, turns float32 shared variables into
   float64 ones; ``Alloc`` of a 0-d constant (which PyTensor hands JAX as a
   Python number) and ``DeepCopyOp`` of one come back float64 too. Fixed by
-  casting their result to the output's dtype.
+  casting their result to the output's dtype. On PyTensor 3.3 an ``ifelse``
+  becomes a ``LazyIfElse`` whose branches are inner graphs: there each
+  branch's results are cast to the output dtypes (``jax.lax.cond`` refuses
+  branches whose dtypes differ).
 * JAX: shapes are Python integers inside ``jax.jit``, but PyTensor computes
   with them in ``jax.numpy`` (traced values), and ``ARange`` hands its
   constant bounds over as int8 scalars: ``pt.arange(y.shape[0])`` of 128 or
   more and any ``reshape`` to a shape computed from a batch size fail.
   Scalar and short-vector ops whose inputs are known while JAX traces are
   computed with numpy (the op's own ``perform``), so shapes stay concrete;
-  assertions on them are checked instead of dropped.
+  assertions on them are checked instead of dropped. PyTensor 3.3 fixed
+  the ``ARange`` bounds (``FIXED_UPSTREAM``): there that fix is left out.
 * PyTorch: the scalar ``Pow`` and ``Mod`` map to ``torch.power`` and
   ``torch.mod``, which do not exist (``torch.pow``, ``torch.remainder``);
   ``EQ`` maps to ``torch.equal``, which compares whole tensors to one Python
@@ -50,6 +54,7 @@ from pytensor.graph.op import Op
 from pytensor.link.jax.linker import JAXLinker as _PyTensorJAXLinker
 from pytensor.link.pytorch.linker import PytorchLinker as _PyTensorPytorchLinker
 
+from . import fixed_upstream
 from .values import BASE_REFCOUNT, refcounts, to_host, to_torch
 
 __all__ = ["Fixed", "JAXLinker", "PytorchLinker"]
@@ -317,13 +322,48 @@ def _jax_check(op, node=None, **kwargs):
     return check
 
 
+def _jax_lazy_ifelse(op, node=None, **kwargs):
+    """PyTensor's ``LazyIfElse`` (3.3+) with each branch's results cast to the output dtypes.
+
+    The branches are inner graphs, which PyTensor converts alone (without the
+    fixes above): an ``Alloc`` of a float32 constant there comes back float64,
+    and ``jax.lax.cond`` refuses branches whose dtypes differ.
+    """
+    import jax
+    import jax.numpy as jnp
+    from pytensor.link.jax.dispatch import jax_funcify
+
+    dtypes = [t.dtype for t in op.output_types]
+
+    def in_output_dtypes(fn):
+        def branch(*args):
+            outs = fn(*args)
+            if len(dtypes) == 1:
+                return jnp.asarray(outs, dtype=dtypes[0])
+            return tuple(jnp.asarray(o, dtype=d) for o, d in zip(outs, dtypes))
+
+        return branch
+
+    true_fn = in_output_dtypes(jax_funcify(op.true_branch, **kwargs))
+    false_fn = in_output_dtypes(jax_funcify(op.false_branch, **kwargs))
+
+    def lazy_ifelse(cond, *args):
+        return jax.lax.cond(cond, true_fn, false_fn, *args)
+
+    return lazy_ifelse
+
+
 def _jax_fix_for(node):
     from pytensor.compile.ops import DeepCopyOp
     from pytensor.raise_op import CheckAndRaise
     from pytensor.tensor.basic import Alloc, ARange
     from pytensor.tensor.elemwise import CAReduce
 
-    if isinstance(node.op, ARange):
+    from .compat import LazyIfElse
+
+    if LazyIfElse is not None and isinstance(node.op, LazyIfElse):
+        return _jax_lazy_ifelse
+    if isinstance(node.op, ARange) and not fixed_upstream("jax_arange"):
         return _jax_arange
     if isinstance(node.op, CheckAndRaise):
         return _jax_check

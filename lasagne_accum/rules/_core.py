@@ -44,6 +44,15 @@ def accumulation_of(loss_or_grads: Any) -> Any:
     return None
 
 
+def _is_loss_or_grads(value) -> bool:
+    """None, a symbolic variable, or a list or tuple of them (what a rule can take first)."""
+    from pytensor.graph.basic import Variable
+
+    if value is None or isinstance(value, Variable):
+        return True
+    return isinstance(value, (list, tuple)) and all(isinstance(v, Variable) for v in value)
+
+
 def _build(rule, core, loss_or_grads, params, average, weight, hyper):
     """Shared front end of every loss-based rule.
 
@@ -61,6 +70,13 @@ def _build(rule, core, loss_or_grads, params, average, weight, hyper):
         if hyper.get("name") is None:
             hyper = {k: v for k, v in hyper.items() if k != "name"}
         return partial(rule, **hyper, **extra)
+    if params is None and not _is_loss_or_grads(loss_or_grads):
+        raise TypeError(
+            f"{rule.__name__}(): loss_or_grads must be a scalar loss expression or a list of "
+            f"gradient expressions, got {loss_or_grads!r}; to get the rule as a callable "
+            f"(for pm.fit(obj_optimizer=...), say), pass its hyperparameters by keyword: "
+            f"{rule.__name__}(learning_rate=...)"
+        )
     if loss_or_grads is None or params is None:
         missing = "loss_or_grads" if loss_or_grads is None else "params"
         raise ValueError(
