@@ -54,11 +54,12 @@ TOPICS = {
         "installed backend (the reason for ``default_modes()``).",
         ["benchmarks/backends.py", "--threads", "1"]),
     "accumulation": (
-        "Accumulation's apply step and memory",
-        "The apply step against the accumulate step and against PyTorch's own loop, and the "
-        "memory of the buffers over N (the accumulate step against a forward-backward call "
-        "is the topic above).",
-        ["benchmarks/accumulation.py"]),
+        "Accumulation's memory",
+        "What one accumulate call allocates, and the peak memory of an effective batch of "
+        "N x 64 examples by accumulation against the real batch, for N up to 16 (the "
+        "steps' speed is in the other topics: the accumulate step above, the apply step "
+        "under Backends, a whole window under Against PyTorch and optax).",
+        ["benchmarks/accumulation.py", "--memory-only"]),
     "peers": (
         "Against PyTorch and optax",
         "The same accumulation in PyTorch (a hand-written loop) and optax (``MultiSteps``).",
