@@ -12,6 +12,10 @@ graph rewrites as the C backend: nothing is compiled) unless
   rewrites of the C and Numba backends) or ``tests/test_backends.py``, the
   cross-backend module that
   compiles for real under C, Numba, JAX and PyTorch and compares them, or
+* it is a page of the user guide (``docs/*.rst``): a reader pastes those
+  snippets into a session that compiles for real, so they run under the
+  backend each page names (C by default; JAX and PyTorch where the page is
+  about them, skipped with a reason where those are not installed), or
 * it is marked ``@pytest.mark.real_backend`` (for a test about one backend's
   generated code, say a C-only graph rewrite), or
 * the environment sets ``LASAGNE_ACCUM_TEST_MODE=real`` (the whole suite on
@@ -38,7 +42,9 @@ from pytensor.compile import mode as _pt_mode
 #: in Python, while unfused elementwise ops are single numpy calls.
 CHEAP_MODE = _pt_mode.Mode(linker="py", optimizer="fast_run").excluding("fusion")
 _SWAPPED = ("CVM", "C", "NUMBA", "FAST_COMPILE")
-_REAL_MODULES = ("test_backends.py", "test_fast_paths.py", "backends.rst")
+_REAL_MODULES = ("test_backends.py", "test_fast_paths.py")
+#: The user guide's directory: its pages' doctests compile for real.
+_DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs")
 #: Tests compiled for real, as ``fnmatch`` patterns of the test's name with its
 #: parameters. The first calls one small function a million times: Python
 #: ``perform`` costs more per call than compiling once.
@@ -73,7 +79,10 @@ def _wants_real_backend(request):
         return True
     if any(fnmatch.fnmatchcase(node.name, pattern) for pattern in _REAL_TESTS):
         return True
-    return os.path.basename(str(getattr(node, "fspath", ""))) in _REAL_MODULES
+    path = str(getattr(node, "fspath", ""))
+    if path.endswith(".rst") and os.path.dirname(os.path.abspath(path)) == _DOCS:
+        return True
+    return os.path.basename(path) in _REAL_MODULES
 
 
 #: The modules that compile for real opt in to ``tools/fastcompile.py`` (precompiled
