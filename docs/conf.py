@@ -96,35 +96,34 @@ def _key(module, name):
     return (getattr(obj, "__module__", module.__name__), getattr(obj, "__qualname__", name))
 
 
-def api_groups():
-    """GROUPS with every module's names filled in; and the public names no group lists."""
+def _module(modname):
+    """The module, or None for an optional one whose extra is not installed."""
     import importlib
 
+    try:
+        return importlib.import_module(modname)
+    except ImportError:
+        if modname in OPTIONAL:
+            return None
+        raise
+
+
+def api_groups():
+    """GROUPS with every module's names filled in; and the public names no group lists."""
     groups, listed = [], set()
     for title, what, entries in GROUPS:
         blocks = []
         for modname, names in entries:
-            try:
-                module = importlib.import_module(modname)
-            except ImportError:
-                if modname in OPTIONAL:
-                    continue
-                raise
+            module = _module(modname)
+            if module is None:
+                continue
             names = _public_names(module) if names is None else names
             blocks.append((modname, names))
             listed.update(_key(module, n) for n in names)
         if blocks:
             groups.append((title, what, blocks))
-    missing = []
-    for modname in PUBLIC:
-        try:
-            module = importlib.import_module(modname)
-        except ImportError:
-            if modname in OPTIONAL:
-                continue
-            raise
-        missing += [f"{modname}.{n}" for n in _public_names(module)
-                    if _key(module, n) not in listed]
+    missing = [f"{modname}.{n}" for modname in PUBLIC if (module := _module(modname)) is not None
+               for n in _public_names(module) if _key(module, n) not in listed]
     return groups, sorted(set(missing))
 
 
