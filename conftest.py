@@ -10,12 +10,13 @@ graph rewrites as the C backend: nothing is compiled) unless
 
 * it lives in ``tests/test_fast_paths.py`` (the in-place Gemm and LazyStep
   rewrites of the C and Numba backends) or ``tests/test_backends.py``, the
-  cross-backend module that
-  compiles for real under C, Numba, JAX and PyTorch and compares them, or
+  cross-backend module that compiles for real under C, Numba, JAX and
+  PyTorch and compares them, or
 * it is a page of the user guide (``docs/*.rst``): a reader pastes those
-  snippets into a session that compiles for real, so they run under the
-  backend each page names (C by default; JAX and PyTorch where the page is
-  about them, skipped with a reason where those are not installed), or
+  snippets into a session that compiles for real, so they run as there,
+  under the backend each snippet names (``la.mode()`` is C, no ``mode=`` is
+  PyTensor's default, JAX and PyTorch where a page is about them; such a page
+  is skipped, with the reason, where they are not installed), or
 * it is marked ``@pytest.mark.real_backend`` (for a test about one backend's
   generated code, say a C-only graph rewrite), or
 * the environment sets ``LASAGNE_ACCUM_TEST_MODE=real`` (the whole suite on
