@@ -80,15 +80,19 @@ def _wants_real_backend(request):
         return True
     if any(fnmatch.fnmatchcase(node.name, pattern) for pattern in _REAL_TESTS):
         return True
-    path = str(getattr(node, "fspath", ""))
-    if path.endswith(".rst") and os.path.dirname(os.path.abspath(path)) == _DOCS:
+    if _is_guide_page(node):
         return True
-    return os.path.basename(path) in _REAL_MODULES
+    return os.path.basename(str(getattr(node, "fspath", ""))) in _REAL_MODULES
+
+
+def _is_guide_page(node):
+    path = str(getattr(node, "fspath", ""))
+    return path.endswith(".rst") and os.path.dirname(os.path.abspath(path)) == _DOCS
 
 
 #: The modules that compile for real opt in to ``tools/fastcompile.py`` (precompiled
 #: headers, several C modules at a time: the same object code, compiled faster) with
-#: ``pytestmark = pytest.mark.usefixtures("fast_compiles")``.
+#: ``pytestmark = pytest.mark.usefixtures("fast_compiles")``; the guide's pages always do.
 #: ``LASAGNE_ACCUM_TEST_PCH=0`` and ``LASAGNE_ACCUM_TEST_JOBS=1`` compile as plain
 #: PyTensor does there too.
 _PCH = os.environ.get("LASAGNE_ACCUM_TEST_PCH", "1") != "0"
@@ -115,6 +119,8 @@ def fast_compiles():
 def _cheap_compile_mode(request, monkeypatch):
     """Run the test's functions in ``CHEAP_MODE`` (see the module docstring)."""
     if _wants_real_backend(request):
+        if _is_guide_page(request.node):   # doctests take no usefixtures mark
+            request.getfixturevalue("fast_compiles")
         yield
         return
     for name in _SWAPPED:
