@@ -10,8 +10,13 @@ graph rewrites as the C backend: nothing is compiled) unless
 
 * it lives in ``tests/test_fast_paths.py`` (the in-place Gemm and LazyStep
   rewrites of the C and Numba backends) or ``tests/test_backends.py``, the
-  cross-backend module that
-  compiles for real under C, Numba, JAX and PyTorch and compares them, or
+  cross-backend module that compiles for real under C, Numba, JAX and
+  PyTorch and compares them, or
+* it is a page of the user guide (``docs/*.rst``): a reader pastes those
+  snippets into a session that compiles for real, so they run as there,
+  under the backend each snippet names (``la.mode()`` is C, no ``mode=`` is
+  PyTensor's default, JAX and PyTorch where a page is about them; such a page
+  is skipped, with the reason, where they are not installed), or
 * it is marked ``@pytest.mark.real_backend`` (for a test about one backend's
   generated code, say a C-only graph rewrite), or
 * the environment sets ``LASAGNE_ACCUM_TEST_MODE=real`` (the whole suite on
@@ -38,7 +43,9 @@ from pytensor.compile import mode as _pt_mode
 #: in Python, while unfused elementwise ops are single numpy calls.
 CHEAP_MODE = _pt_mode.Mode(linker="py", optimizer="fast_run").excluding("fusion")
 _SWAPPED = ("CVM", "C", "NUMBA", "FAST_COMPILE")
-_REAL_MODULES = ("test_backends.py", "test_fast_paths.py", "backends.rst")
+_REAL_MODULES = ("test_backends.py", "test_fast_paths.py")
+#: The user guide's directory: its pages' doctests compile for real.
+_DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs")
 #: Tests compiled for real, as ``fnmatch`` patterns of the test's name with its
 #: parameters. The first calls one small function a million times: Python
 #: ``perform`` costs more per call than compiling once.
@@ -73,12 +80,19 @@ def _wants_real_backend(request):
         return True
     if any(fnmatch.fnmatchcase(node.name, pattern) for pattern in _REAL_TESTS):
         return True
+    if _is_guide_page(node):
+        return True
     return os.path.basename(str(getattr(node, "fspath", ""))) in _REAL_MODULES
+
+
+def _is_guide_page(node):
+    path = str(getattr(node, "fspath", ""))
+    return path.endswith(".rst") and os.path.dirname(os.path.abspath(path)) == _DOCS
 
 
 #: The modules that compile for real opt in to ``tools/fastcompile.py`` (precompiled
 #: headers, several C modules at a time: the same object code, compiled faster) with
-#: ``pytestmark = pytest.mark.usefixtures("fast_compiles")``.
+#: ``pytestmark = pytest.mark.usefixtures("fast_compiles")``; the guide's pages always do.
 #: ``LASAGNE_ACCUM_TEST_PCH=0`` and ``LASAGNE_ACCUM_TEST_JOBS=1`` compile as plain
 #: PyTensor does there too.
 _PCH = os.environ.get("LASAGNE_ACCUM_TEST_PCH", "1") != "0"
@@ -105,6 +119,8 @@ def fast_compiles():
 def _cheap_compile_mode(request, monkeypatch):
     """Run the test's functions in ``CHEAP_MODE`` (see the module docstring)."""
     if _wants_real_backend(request):
+        if _is_guide_page(request.node):   # doctests take no usefixtures mark
+            request.getfixturevalue("fast_compiles")
         yield
         return
     for name in _SWAPPED:

@@ -19,6 +19,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 
@@ -53,10 +54,12 @@ TOPICS = {
         "installed backend (the reason for ``default_modes()``).",
         ["benchmarks/backends.py", "--threads", "1"]),
     "accumulation": (
-        "Accumulation's costs",
-        "The accumulate and apply steps against plain training, and the memory of the "
-        "buffers.",
-        ["benchmarks/accumulation.py"]),
+        "Accumulation's memory",
+        "What one accumulate call allocates, and the peak memory of an effective batch of "
+        "N x 64 examples by accumulation against the real batch, for N up to 16 (the "
+        "steps' speed is in the other topics: the accumulate step above, the apply step "
+        "under Backends, a whole window under Against PyTorch and optax).",
+        ["benchmarks/accumulation.py", "--memory-only"]),
     "peers": (
         "Against PyTorch and optax",
         "The same accumulation in PyTorch (a hand-written loop) and optax (``MultiSteps``).",
@@ -71,6 +74,16 @@ TOPICS = {
         "optax's MultiSteps and a PyTorch loop.",
         ["benchmarks/gpu.py"]),
 }
+
+
+#: An absolute path of two or more parts (an install's library directory in BLAS flags,
+#: a temporary log): it names the measuring machine's files, not something a reader has.
+_PATH = re.compile(r"(?<![\w.~/-])/(?:[\w.+~-]+/)+[\w.+~-]*")
+
+
+def scrub(text):
+    """`text` without the measuring machine's absolute paths (each becomes ``<path>``)."""
+    return _PATH.sub("<path>", text)
 
 
 def _git(*args):
@@ -114,7 +127,7 @@ def run(topic):
     return {"date": datetime.date.today().isoformat(), "commit": _git("rev-parse", "--short",
                                                                         "HEAD"),
             "dirty": dirty, "machine": machine(), "command": "python " + " ".join(command),
-            "output": done.stdout.rstrip("\n")}
+            "output": scrub(done.stdout.rstrip("\n"))}
 
 
 def render(store):
@@ -134,7 +147,8 @@ def render(store):
         commit = record["commit"] + (" with local changes" if record.get("dirty") else "")
         lines += [f"Measured on {record['date']} at commit ``{commit}`` on {record['machine']}"
                   f"; reproduce with ``{record['command']}``.", "", "::", ""]
-        lines += ["    " + ln if ln.strip() else "" for ln in record["output"].splitlines()]
+        lines += ["    " + ln if ln.strip() else ""
+                  for ln in scrub(record["output"]).splitlines()]
         lines += [""]
     text = "\n".join(lines)
     with open(PAGE, "w") as f:
@@ -152,6 +166,8 @@ def main(argv=None):
     if os.path.exists(STORE):
         with open(STORE) as f:
             store = json.load(f)
+    store = {topic: dict(record, output=scrub(record["output"]))
+             for topic, record in store.items()}
     if not args.render:
         failed = []
         for topic in args.only or list(TOPICS):
@@ -166,6 +182,8 @@ def main(argv=None):
         if failed:
             raise SystemExit(f"not measured: {', '.join(failed)}")
         return
+    with open(STORE, "w") as f:
+        json.dump(store, f, indent=1, sort_keys=True)
     print(f"wrote {render(store)}")
 
 

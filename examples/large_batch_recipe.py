@@ -26,7 +26,7 @@ same order. The table has one line per row, in the style of
 mini-batches per epoch, ``20 iters`` the epochs, then the test loss and the
 test accuracy in percent. Loss curves go to ``OUT/large_batch_recipe.png``.
 
-    python examples/large_batch_recipe.py              # about 20-40 s here
+    python examples/large_batch_recipe.py              # under a minute on a laptop CPU
     python examples/large_batch_recipe.py --epochs 5   # quicker
 """
 
