@@ -32,7 +32,7 @@ def dist(tmp_path_factory):
     # a copy of the checkout: setuptools writes build/ and *.egg-info next to the sources
     src = tmp_path_factory.mktemp("src") / "lasagne_accum"
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "_build", "generated",
+        ".git", ".venv", ".venv-*", "build", "dist", "*.egg-info", "__pycache__", "_build", "generated",
         "out", ".hypothesis"))
     proc = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--sdist", "--wheel",
                            "--outdir", str(out), str(src)], capture_output=True, text=True,

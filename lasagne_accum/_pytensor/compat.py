@@ -14,7 +14,7 @@ LazyIfElse: Any
 try:  # PyTensor 3.3 and later (LazyIfElse: an ifelse whose branches are inner graphs)
     from pytensor.conditional.op import IfElse, LazyIfElse, ifelse
 except ImportError:  # PyTensor 3.0
-    from pytensor.ifelse import IfElse, ifelse  # type: ignore[no-redef]
+    from pytensor.ifelse import IfElse, ifelse
     LazyIfElse = None
 
 
