@@ -27,9 +27,8 @@ One run prints, with the load average before and after:
 3. **Time to 95% test accuracy** on the digits CNN: Dask async with 2
    trainers against 1 local thread (``backend="local"``), from the start of
    training (compiling excluded), medians of interleaved runs.
-4. **The transports** (``DaskParameterServer(transport=...)``): a no-op
-   request and a push of the digits MLP from this process, direct links
-   against Dask comms.
+4. **The transport** (Dask's pooled comms): a no-op request and a push of
+   the digits MLP from this process to the shard process.
 
 Every process listens on 127.0.0.1 only (checked and printed) and is stopped
 by this script, by its process id. Without torch.distributed the torch rows
@@ -529,7 +528,7 @@ def time_to_accuracy(result, accuracy, X, y):
 
 def transport_probe(client, n):
     """Median ms of a no-op request and of a push (digits MLP, async, pull=True) from this
-    process to the shard process, by each transport."""
+    process to the shard process."""
     from lasagne_accum import adam
     from lasagne_accum.distributed.dask import DaskParameterServer
     from lasagne_accum.distributed.dask.cluster import worker_addresses
@@ -537,24 +536,21 @@ def transport_probe(client, n):
     first = worker_addresses(client)[0]
     params = initial_values("mlp")
     grads = {k: np.zeros_like(v) for k, v in params.items()}
-    out = {}
-    for transport in ("direct", "dask"):
-        server = DaskParameterServer(client, params, adam, dict(learning_rate=1e-3),
-                                     mode="async", workers=[first], transport=transport)
-        try:
-            version, _ = server.register("probe")
-            noop, push = [], []
-            for seq in range(n):
-                t = time.perf_counter()
-                server.actor_pids()
-                noop.append(time.perf_counter() - t)
-                t = time.perf_counter()
-                version = server.push("probe", seq, grads, version=version, pull=True)["version"]
-                push.append(time.perf_counter() - t)
-            out[transport] = (np.median(noop) * 1e3, np.median(push) * 1e3)
-        finally:
-            server.close()
-    return out
+    server = DaskParameterServer(client, params, adam, dict(learning_rate=1e-3),
+                                 mode="async", workers=[first])
+    try:
+        version, _ = server.register("probe")
+        noop, push = [], []
+        for seq in range(n):
+            t = time.perf_counter()
+            server.actor_pids()
+            noop.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            version = server.push("probe", seq, grads, version=version, pull=True)["version"]
+            push.append(time.perf_counter() - t)
+    finally:
+        server.close()
+    return {"Dask comms": (np.median(noop) * 1e3, np.median(push) * 1e3)}
 
 
 # --------------------------------------------------------------------------
@@ -732,7 +728,7 @@ def main(argv=None):
             f"not reached in {len(t) - len(reached)} of {len(t)}"
         print(f"| {name} | {shown} | {np.median([v[1] for v in values]):.3f} | "
               f"{np.median([v[2] for v in values]):.1f} |")
-    print("\n## Transports (this process to the shard process, medians, ms)\n")
+    print("\n## Transport (this process to the shard process, medians, ms)\n")
     print("| transport | no-op request | push, digits MLP (pull=True) |")
     print("|---|---|---|")
     for transport, (noop, push) in probe.items():

@@ -32,10 +32,11 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from . import checks
-from .checks import *  # noqa: F403  ServerOptions and the exceptions: checks.__all__
-from .checks import ServerOptions, ShardLostError
+from . import errors
+from .errors import *  # noqa: F403  the exceptions: errors.__all__
+from .errors import ShardLostError
 from ..checkpoint import save_arrays
+from .options import ServerOptions
 from .local import run_local
 from .server import ParameterServer
 from .shard import Shard
@@ -44,8 +45,9 @@ from .worker import Worker, model_spec
 if TYPE_CHECKING:
     from .._typing import PathLike, UpdateRule
 
-__all__ = ["train", "TrainResult", "ParameterServer", "Shard", "Worker", "run_local"]
-__all__ += checks.__all__
+__all__ = ["train", "TrainResult", "ParameterServer", "Shard", "Worker", "run_local",
+           "ServerOptions"]
+__all__ += errors.__all__
 
 BACKENDS = ("local", "dask")
 
