@@ -493,13 +493,13 @@ def ours(client, model, mode, trainers, pushes, shard_processes, accuracy):
     import functools
 
     from lasagne_accum import adam
-    from lasagne_accum.distributed import train
+    from lasagne_accum.distributed import DaskOptions, train
 
     X_test, y_test = digits()[2:]
     result = train(build_model, functools.partial(our_batches, model, trainers, pushes), adam,
                    dict(learning_rate=MODELS[model].lr), n_workers=trainers, mode=mode,
-                   backend="dask", accumulate=ACCUMULATE, client=client,
-                   shard_processes=shard_processes, model_kwargs=dict(kind=model))
+                   backend="dask", accumulate=ACCUMULATE, model_kwargs=dict(kind=model),
+                   dask=DaskOptions(client=client, shard_processes=shard_processes))
     return (result.examples / result.elapsed, accuracy(result.params, X_test, y_test),
             result)
 
@@ -569,7 +569,7 @@ def main(argv=None):
     import functools
 
     from lasagne_accum import adam
-    from lasagne_accum.distributed import train
+    from lasagne_accum.distributed import DaskOptions, train
     from lasagne_accum.distributed.dask import local_cluster
 
     start = time.perf_counter()
@@ -636,7 +636,8 @@ def main(argv=None):
                         result = train(build_model, functools.partial(
                             our_batches, "cnn", 2, cnn_pushes // 2), adam,
                             dict(learning_rate=MODELS["cnn"].lr), n_workers=2, backend="dask",
-                            client=client, shard_processes=args.shard_processes, **kw)
+                            dask=DaskOptions(client=client,
+                                             shard_processes=args.shard_processes), **kw)
                     else:
                         result = train(build_model, [trainer_batches("cnn", 0, 1, cnn_pushes)],
                                        adam, dict(learning_rate=MODELS["cnn"].lr),

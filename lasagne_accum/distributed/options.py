@@ -7,7 +7,7 @@ from typing import Any
 
 from .._checks import check_number
 
-__all__ = ["ServerOptions"]
+__all__ = ["ServerOptions", "DaskOptions", "Checkpoint"]
 
 MODES = ("sync", "async")
 MERGES = ("mean", "sum")
@@ -130,3 +130,85 @@ class ServerOptions:
             raise TypeError(f"options must be a ServerOptions, got {type(options).__name__}")
         return dataclasses.replace(options, **kwargs) if kwargs else options
 
+
+def _grouped(value, cls, name):
+    """`value` as a `cls` (None gives the defaults; a dict its keyword arguments)."""
+    if value is None:
+        return cls()
+    if isinstance(value, Mapping):
+        return cls(**value)
+    if not isinstance(value, cls):
+        raise TypeError(f"{name}= takes a {cls.__name__} (or a dict of its fields), got "
+                        f"{type(value).__name__}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class DaskOptions:
+    """Where :func:`~lasagne_accum.distributed.train` runs with ``backend="dask"``.
+
+    Attributes
+    ----------
+    address : str or None
+        A scheduler to connect to; without it (and without `client`) a
+        loopback ``LocalCluster`` is started and closed.
+    client : distributed.Client or None
+        A client of yours to use (it is not closed).
+    security : distributed.security.Security, bool or None
+        TLS for the connection to `address` or for the cluster started
+        (True: a temporary self-signed one).
+    n_dask_workers : int or None
+        Processes of the cluster started (default: one per trainer plus
+        `shard_processes`).
+    shard_processes : int
+        Worker processes that hold the shards and run no trainer (a
+        process's event loop answers only between its own trainer's compiled
+        calls, which hold the GIL); 0 puts the shards beside the trainers.
+    """
+
+    address: str | None = None
+    client: Any = None
+    security: Any = None
+    n_dask_workers: int | None = None
+    shard_processes: int = 1
+
+    def __post_init__(self):
+        n = self.shard_processes
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"shard_processes must be an integer >= 0, got {n!r}")
+
+    @classmethod
+    def of(cls, value):
+        """`value` (None, a dict or a DaskOptions) as a DaskOptions."""
+        return _grouped(value, cls, "dask")
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """Where :func:`~lasagne_accum.distributed.train` saves and resumes the server's state.
+
+    Attributes
+    ----------
+    to : path or None
+        Save the server's state here at the end (and every `every` seconds).
+    every : float or None
+        Also save while training runs, every this many seconds (atomic), so a
+        lost shard process costs at most that much training. Needs `to`.
+    resume_from : path or None
+        Load the server's state from here before training.
+    """
+
+    to: Any = None
+    every: float | None = None
+    resume_from: Any = None
+
+    def __post_init__(self):
+        if self.every is not None:
+            if self.to is None:
+                raise ValueError("Checkpoint(every=...) needs to= (the file to save to)")
+            _check_seconds(self.every, "every", allow_none=False)
+
+    @classmethod
+    def of(cls, value):
+        """`value` (None, a dict or a Checkpoint) as a Checkpoint."""
+        return _grouped(value, cls, "checkpoint")
