@@ -22,8 +22,9 @@ One run prints, with the load average before and after:
    dominates), the digits CNN and the digits MLP (batch 32). Rounds are
    interleaved (the order rotating); the medians are printed.
 2. **Where each push's time goes** (ours, wide MLP, 2 trainers): computing
-   the gradients, encoding and decoding, the transport, the shard process's
-   work, and waiting for the other trainer's push (sync rounds).
+   the gradients, preparing the request, the transport, the shard process's
+   work, and waiting for the other trainer's push (sync rounds); measured with
+   ``train(..., profile=True)``.
 3. **Time to 95% test accuracy** on the digits CNN: Dask async with 2
    trainers against 1 local thread (``backend="local"``), from the start of
    training (compiling excluded), medians of interleaved runs.
@@ -499,7 +500,7 @@ def ours(client, model, mode, trainers, pushes, shard_processes, accuracy):
     result = train(build_model, functools.partial(our_batches, model, trainers, pushes), adam,
                    dict(learning_rate=MODELS[model].lr), n_workers=trainers, mode=mode,
                    backend="dask", accumulate=ACCUMULATE, model_kwargs=dict(kind=model),
-                   dask=DaskOptions(client=client, shard_processes=shard_processes))
+                   profile=True, dask=DaskOptions(client=client, shard_processes=shard_processes))
     return (result.examples / result.elapsed, accuracy(result.params, X_test, y_test),
             result)
 
@@ -701,10 +702,11 @@ def main(argv=None):
         print(f"\n## Where a push's time goes (ours, {MODELS['wide'].name}, 2 trainers; "
               "ms per push, means over the runs)\n")
         print("Compute: the 4 forward-backward calls and reading the accumulated gradient; "
-              "encode + decode: this trainer's; shard process: the request's seconds there "
-              "besides waiting for the round (decode, checks, merge, apply, copy); transport: "
-              "the rest of the push call (checks here, sockets, waiting for a CPU).\n")
-        print("| mode | compute (4 micro-batches) | encode + decode | transport | "
+              "request: preparing this trainer's (its arrays wrapped as Dask frames); shard "
+              "process: the request's seconds there besides waiting for the round (checks, "
+              "merge, apply, copy); transport: the rest of the push call (checks here, Dask's "
+              "encoding and decoding, sockets, waiting for a CPU).\n")
+        print("| mode | compute (4 micro-batches) | request | transport | "
               "shard process | waiting for the round | push call |")
         print("|---|---|---|---|---|---|---|")
         for mode in ("sync", "async"):

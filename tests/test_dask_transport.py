@@ -120,6 +120,21 @@ def test_push_on_a_comm_closed_under_it_is_resent_and_applied_once(client, serve
     assert server.stats()["applied"] == 2
 
 
+def test_calls_are_timed_only_with_the_profile_option(client, server):
+    server.register("a")
+    server.push("a", 0, {"w": np.ones(3), "b": np.ones(1)}, version=(0, 0), pull=True)
+    assert server.options.profile is False and server.last_timing() is None
+    profiled = _server(client, profile=True)
+    try:
+        profiled.register("a")
+        profiled.push("a", 0, {"w": np.ones(3), "b": np.ones(1)}, version=(0, 0), pull=True)
+        timing = profiled.last_timing()
+        assert sorted(timing) == ["round", "serialise", "shard"]
+        assert timing["shard"] > 0 and timing["serialise"] > 0 and timing["round"] == 0.0
+    finally:
+        profiled.close()
+
+
 def test_cross_process_push_is_all_or_nothing(client, server):
     server.register("a")
     g = {"w": np.ones(3), "b": np.ones(1)}

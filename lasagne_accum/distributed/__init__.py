@@ -189,6 +189,7 @@ def train(
     snapshot_interval: float | None = None,
     server: Any = None,
     keep_log: bool = False,
+    profile: bool = False,
     wait_timeout: float = 600.0,
     model_average: Mapping[str, Any] | None = None,
     ema: Mapping[str, Any] | None = None,
@@ -216,7 +217,7 @@ def train(
     accumulate : int
         Batches accumulated locally per push.
     shards, merge, staleness_scale, round_timeout, on_timeout, compile_mode,
-    keep_log, wait_timeout, model_average, ema
+    keep_log, profile, wait_timeout, model_average, ema
         The server's options: see :class:`ServerOptions`. With
         `model_average` / `ema`, ``TrainResult.averaged_params`` /
         ``.ema_params`` hold the averages the server kept.
@@ -251,7 +252,7 @@ def train(
     checkpoint, dask = Checkpoint.of(checkpoint), DaskOptions.of(dask)
     options = ServerOptions(mode=mode, merge=merge, staleness_scale=staleness_scale,
                             round_timeout=round_timeout, on_timeout=on_timeout,
-                            compile_mode=compile_mode, keep_log=keep_log,
+                            compile_mode=compile_mode, keep_log=keep_log, profile=profile,
                             wait_timeout=wait_timeout, model_average=model_average, ema=ema)
     run: dict[str, Any] = dict(
         accumulate=accumulate, model_kwargs=model_kwargs, compile_mode=compile_mode,

@@ -58,6 +58,10 @@ class ServerOptions:
         Reject gradients with NaN or inf.
     keep_log : bool
         Keep the order of applied pushes per shard (``stats()["shards"][s]["log"]``).
+    profile : bool
+        Dask: time each call's parts (preparing the requests here, the shard
+        processes' work, waiting for sync rounds); a worker's report then has
+        them as ``parts``. Off: no call is timed.
     wait_timeout : float
         The longest any blocking call (push, pull, register, a sync round's
         wait, a Dask gather) waits before :class:`ServerTimeoutError` names
@@ -85,6 +89,7 @@ class ServerOptions:
     compile_mode: str | None = None
     check_finite: bool = True
     keep_log: bool = False
+    profile: bool = False
     wait_timeout: float = 600.0
     model_average: Any = None
     ema: Any = None

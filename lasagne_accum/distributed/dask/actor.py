@@ -4,9 +4,9 @@ A request reaches a shard process as a Dask message to the comm handler
 :data:`HANDLER`, which :func:`install_handler` puts on the process's
 ``distributed.Worker``. :func:`serve` checks what Dask decoded
 (:func:`~lasagne_accum.distributed.dask.schema.check_request`), runs it on the
-worker's event loop and returns the reply, ``(ok, value or exception, shard
-seconds, round seconds)``: the seconds it spent in the shard process, of which
-those waiting for a sync round to close. The reply goes back as a
+worker's event loop and returns the reply, ``(ok, value or exception)``, and
+when the caller profiles, the seconds it spent in the shard process and those
+of them waiting for a sync round to close. The reply goes back as a
 ``ToPickle``: its arrays are out-of-band frames.
 """
 
@@ -35,13 +35,13 @@ def install_handler(worker):
         return
     to_pickle = require_distributed().protocol.ToPickle
 
-    async def lasagne_accum_shards(key=None, request=None):
-        return to_pickle(await serve(worker, key, request))
+    async def lasagne_accum_shards(key=None, request=None, profile=False):
+        return to_pickle(await serve(worker, key, request, profile is True))
 
     worker.handlers[HANDLER] = lasagne_accum_shards
 
 
-async def serve(worker, key, request):
+async def serve(worker, key, request, profile=False):
     """Answer one request for the shards under actor `key`: the reply tuple.
 
     Parameters
@@ -51,9 +51,11 @@ async def serve(worker, key, request):
         The actor's key.
     request : object
         The request as Dask decoded it (checked here before any use).
+    profile : bool
+        Add the seconds spent here and those waiting for rounds to the reply.
     """
-    start = time.perf_counter()
-    timing = {"round": 0.0}
+    start = time.perf_counter() if profile else None
+    timing = {"round": 0.0} if profile else None
     try:
         actor = worker.state.actors.get(key) if type(key) is str else None
         if actor is None:
@@ -68,6 +70,8 @@ async def serve(worker, key, request):
         except Exception as why:      # an unpicklable exception: say what it was
             exc = RuntimeError(f"{type(exc).__name__}: {exc} (unpicklable: {why})")
         out = (False, exc)
+    if not profile:
+        return out
     elapsed = time.perf_counter() - start
     return out + (elapsed - timing["round"], timing["round"])
 

@@ -172,12 +172,14 @@ class DaskParameterServer(BaseServer):
         out.update(transport.call(self, {g: job for g, job in jobs.items() if here[g] is None},
                                   what, extra, between=local))
         timing = transport.last_timing()
-        timing["shard"] = max(timing["shard"], local_s)
+        if timing is not None:
+            timing["shard"] = max(timing["shard"], local_s)
         return out
 
     def last_timing(self):
-        """``{"serialise", "shard", "round"}`` seconds of this thread's last call (see
-        :func:`~lasagne_accum.distributed.dask.transport.call`)."""
+        """``{"serialise", "shard", "round"}`` seconds of this thread's last call, with the
+        ``profile`` option (see :func:`~lasagne_accum.distributed.dask.transport.call`);
+        else None."""
         return transport.last_timing()
 
     # ------------------------------------------------------------ BaseServer's backend
@@ -234,7 +236,8 @@ class DaskParameterServer(BaseServer):
                 if actor is not None:
                     outs[g] = actor.wait_here(per[g], outs[g], pull)
             timing = transport.last_timing()
-            timing["round"] = max(timing["round"], time.perf_counter() - start)
+            if timing is not None:
+                timing["round"] = max(timing["round"], time.perf_counter() - start)
         results, error = [None] * len(indices), None
         for g, items in groups.items():
             if isinstance(outs[g], Exception):

@@ -141,12 +141,9 @@ def _lost(server, g, what, exc, timeout):
 
 
 def last_timing():
-    """``{"serialise", "shard", "round"}`` seconds of this thread's last :func:`call`."""
+    """``{"serialise", "shard", "round"}`` seconds of this thread's last :func:`call` (None
+    unless the server's ``profile`` option is on)."""
     return getattr(_comms.timing, "value", None)
-
-
-def set_timing(value):
-    _comms.timing.value = value
 
 
 def call(server, jobs, what, extra=0.0, between=None):
@@ -154,13 +151,14 @@ def call(server, jobs, what, extra=0.0, between=None):
 
     Every request is handed to the event loop before `between` (a callable:
     the caller's work on the shards of its own process) runs; the replies are
-    collected after it. This thread's timing (:func:`last_timing`) becomes
-    ``{"serialise", "shard", "round"}``: seconds preparing the requests here,
-    and the longest of the processes' seconds in their shards and waiting for
-    sync rounds.
+    collected after it. With the server's ``profile`` option, this thread's
+    timing (:func:`last_timing`) becomes ``{"serialise", "shard", "round"}``:
+    seconds preparing the requests here, and the longest of the processes'
+    seconds in their shards and waiting for sync rounds.
     """
-    timing = dict(serialise=0.0, shard=0.0, round=0.0)
-    set_timing(timing)
+    profile = server.options.profile
+    timing = dict(serialise=0.0, shard=0.0, round=0.0) if profile else None
+    _comms.timing.value = timing
     if not jobs:
         if between is not None:
             between()
@@ -172,9 +170,10 @@ def call(server, jobs, what, extra=0.0, between=None):
     end = time.monotonic() + timeout
     args = server.connection_args()
     start = time.perf_counter()
-    messages = {g: {"op": HANDLER, "key": server._keys[g], "request": outgoing(job)}
-                for g, job in jobs.items()}
-    timing["serialise"] += time.perf_counter() - start
+    messages = {g: {"op": HANDLER, "key": server._keys[g], "request": outgoing(job),
+                    "profile": profile} for g, job in jobs.items()}
+    if profile:
+        timing["serialise"] += time.perf_counter() - start
     futures = {g: _comms.submit(asyncio.wait_for(
         _exchange(args, server.hosts[g], message), timeout)) for g, message in messages.items()}
     out = {}
@@ -189,9 +188,10 @@ def call(server, jobs, what, extra=0.0, between=None):
                     raise Gone(f"{server.hosts[g]} has no shard handler (restarted?)")
                 if isinstance(reply, dict):      # Dask's own error message
                     raise RuntimeError(f"shard process: {reply.get('exception_text', reply)!s:.500}")
-                ok, value, shard_s, round_s = reply
-                timing["shard"] = max(timing["shard"], shard_s)
-                timing["round"] = max(timing["round"], round_s)
+                ok, value, *seconds = reply
+                if profile:
+                    timing["shard"] = max(timing["shard"], seconds[0])
+                    timing["round"] = max(timing["round"], seconds[1])
                 if not ok and isinstance(value, Gone):
                     raise value
                 out[g] = value
