@@ -26,6 +26,7 @@ from ..checkpoint import collect_state
 from ..merge import merge_updates
 from ..model_average import ExponentialMovingAverage, ModelAverage
 from .._checks import check_rule_updates
+from ..training import warm_up_calls
 from . import reduction
 from .checks import check_grads, check_seq, check_version, check_weight, check_worker_id, \
     learning_rate_kind, named_params, param_specs
@@ -97,16 +98,8 @@ class ApplyFunction:
         self.updates = OrderedDict(updates)
         self._fn = compile_function(grads + [factor], [], self.updates, compile_mode,
                                     role="apply")
-        self._warm_up()
-
-    def _warm_up(self):
-        """Call the function once (JIT backends compile on the first call), then undo it."""
-        saved = [(var, var.get_value(borrow=False)) for var in self.updates]
-        try:
-            self._fn(*[np.zeros(shape, dtype) for shape, dtype in self.specs.values()], 0.0)
-        finally:
-            for var, value in saved:
-                var.set_value(value)
+        zeros = [np.zeros(shape, dtype) for shape, dtype in self.specs.values()]
+        warm_up_calls(self.updates, lambda: self._fn(*zeros, 0.0))
 
     def factor(self, step, scale):
         """The factor input of step number `step` (0-based); ValueError for a bad schedule value."""
