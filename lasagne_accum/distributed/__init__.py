@@ -249,7 +249,7 @@ def train(
             raise ValueError(f"n_workers={n_workers} but {len(per)} batch lists")
     if not per:
         raise ValueError("no workers: worker_batches is empty")
-    checkpoint, dask = Checkpoint.of(checkpoint), DaskOptions.of(dask)
+    saving, cluster = Checkpoint.of(checkpoint), DaskOptions.of(dask)
     options = ServerOptions(mode=mode, merge=merge, staleness_scale=staleness_scale,
                             round_timeout=round_timeout, on_timeout=on_timeout,
                             compile_mode=compile_mode, keep_log=keep_log, profile=profile,
@@ -263,47 +263,47 @@ def train(
         if server is None:
             server = ParameterServer(_initial_params(build_model, model_kwargs), update_rule,
                                      rule_kwargs, shards=shards, options=options)
-        if checkpoint.resume_from is not None:
-            server.load(checkpoint.resume_from)
+        if saving.resume_from is not None:
+            server.load(saving.resume_from)
         batches = [b() if callable(b) else b for b in per]
-        saver = _Saver(server, checkpoint.to, checkpoint.every)
+        saver = _Saver(server, saving.to, saving.every)
         reports, history = run_local(server, build_model, batches,
-                                     checkpoint=saver if checkpoint.every else None, **run)
-        return _finish(server, reports, history, "local", checkpoint.to, keep=server,
+                                     checkpoint=saver if saving.every else None, **run)
+        return _finish(server, reports, history, "local", saving.to, keep=server,
                        saves=saver.count)
 
     from .dask import DaskParameterServer, connect, local_cluster, run_dask
     from .dask.cluster import worker_addresses
 
     with contextlib.ExitStack() as stack:
-        client = dask.client
+        client = cluster.client
         if client is None:
-            if dask.address is not None:
-                client = stack.enter_context(connect(dask.address, security=dask.security))
+            if cluster.address is not None:
+                client = stack.enter_context(connect(cluster.address, security=cluster.security))
             else:
-                n = dask.n_dask_workers or len(per) + dask.shard_processes
-                client = stack.enter_context(local_cluster(n, security=dask.security))
+                n = cluster.n_dask_workers or len(per) + cluster.shard_processes
+                client = stack.enter_context(local_cluster(n, security=cluster.security))
                 client.wait_for_workers(n, timeout=wait_timeout)
         if server is None:
             addresses = worker_addresses(client)
             server = DaskParameterServer(client, _initial_params(build_model, model_kwargs),
                                          update_rule, rule_kwargs, shards=shards,
-                                         workers=addresses[:dask.shard_processes] or None,
+                                         workers=addresses[:cluster.shard_processes] or None,
                                          options=options)
             stack.callback(server.close)
-        if checkpoint.resume_from is not None:
-            server.load(checkpoint.resume_from)
-        saver = _Saver(server, checkpoint.to, checkpoint.every)
+        if saving.resume_from is not None:
+            server.load(saving.resume_from)
+        saver = _Saver(server, saving.to, saving.every)
         lost: list[dict[str, Any]] = []
         try:
             reports, history = run_dask(server, client, build_model, per, lost=lost,
-                                        checkpoint=saver if checkpoint.every else None, **run)
+                                        checkpoint=saver if saving.every else None, **run)
         except Exception as exc:
             cause = exc if isinstance(exc, ShardLostError) else exc.__cause__
             if isinstance(cause, ShardLostError):
                 raise saver.explain(cause) from exc
             raise
-        return _finish(server, reports, history, "dask", checkpoint.to, keep=None, lost=lost,
+        return _finish(server, reports, history, "dask", saving.to, keep=None, lost=lost,
                        saves=saver.count)
 
 

@@ -50,8 +50,9 @@ class _Comms:
         self.lock = threading.Lock()
         self.loop = self.thread = None
         self.pools = {}                   # connection arguments' key: (arguments, pool)
-        self.served = weakref.WeakSet()   # comms that carried a reply: a reuse may find them
-        self.timing = threading.local()   # closed
+        # comms that carried a reply: taken again from the pool, one may be found closed
+        self.served = weakref.WeakSet()
+        self.timing = threading.local()
 
     def submit(self, coro):
         """Run `coro` on the loop (started on first use); a concurrent.futures.Future."""
@@ -187,7 +188,8 @@ def call(server, jobs, what, extra=0.0, between=None):
                 if reply is None:           # no handler there: a process that is not ours
                     raise Gone(f"{server.hosts[g]} has no shard handler (restarted?)")
                 if isinstance(reply, dict):      # Dask's own error message
-                    raise RuntimeError(f"shard process: {reply.get('exception_text', reply)!s:.500}")
+                    text = reply.get("exception_text", reply)
+                    raise RuntimeError(f"shard process: {text!s:.500}")
                 ok, value, *seconds = reply
                 if profile:
                     timing["shard"] = max(timing["shard"], seconds[0])
