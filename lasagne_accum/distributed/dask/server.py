@@ -50,8 +50,8 @@ class DaskParameterServer(BaseServer):
     workers : list of str, optional
         Worker addresses to place shards on; default all. Give the
         addresses of processes that run no trainer to keep the shards out of
-        the trainers' processes (see :func:`~lasagne_accum.distributed.train`'s
-        ``shard_processes``).
+        the trainers' processes (see
+        :class:`~lasagne_accum.distributed.DaskOptions`' ``shard_processes``).
 
     Calls reach the shards over Dask's own comms, with the cluster's security
     (:mod:`~lasagne_accum.distributed.dask.transport`). Shards are placed by
