@@ -22,14 +22,14 @@ One run prints, with the load average before and after:
    dominates), the digits CNN and the digits MLP (batch 32). Rounds are
    interleaved (the order rotating); the medians are printed.
 2. **Where each push's time goes** (ours, wide MLP, 2 trainers): computing
-   the gradients, encoding and decoding, the transport, the shard process's
-   work, and waiting for the other trainer's push (sync rounds).
+   the gradients, preparing the request, the transport, the shard process's
+   work, and waiting for the other trainer's push (sync rounds); measured with
+   ``train(..., profile=True)``.
 3. **Time to 95% test accuracy** on the digits CNN: Dask async with 2
    trainers against 1 local thread (``backend="local"``), from the start of
    training (compiling excluded), medians of interleaved runs.
-4. **The transports** (``DaskParameterServer(transport=...)``): a no-op
-   request and a push of the digits MLP from this process, direct links
-   against Dask comms.
+4. **The transport** (Dask's pooled comms): a no-op request and a push of
+   the digits MLP from this process to the shard process.
 
 Every process listens on 127.0.0.1 only (checked and printed) and is stopped
 by this script, by its process id. Without torch.distributed the torch rows
@@ -494,13 +494,13 @@ def ours(client, model, mode, trainers, pushes, shard_processes, accuracy):
     import functools
 
     from lasagne_accum import adam
-    from lasagne_accum.distributed import train
+    from lasagne_accum.distributed import DaskOptions, train
 
     X_test, y_test = digits()[2:]
     result = train(build_model, functools.partial(our_batches, model, trainers, pushes), adam,
                    dict(learning_rate=MODELS[model].lr), n_workers=trainers, mode=mode,
-                   backend="dask", accumulate=ACCUMULATE, client=client,
-                   shard_processes=shard_processes, model_kwargs=dict(kind=model))
+                   backend="dask", accumulate=ACCUMULATE, model_kwargs=dict(kind=model),
+                   profile=True, dask=DaskOptions(client=client, shard_processes=shard_processes))
     return (result.examples / result.elapsed, accuracy(result.params, X_test, y_test),
             result)
 
@@ -529,7 +529,7 @@ def time_to_accuracy(result, accuracy, X, y):
 
 def transport_probe(client, n):
     """Median ms of a no-op request and of a push (digits MLP, async, pull=True) from this
-    process to the shard process, by each transport."""
+    process to the shard process."""
     from lasagne_accum import adam
     from lasagne_accum.distributed.dask import DaskParameterServer
     from lasagne_accum.distributed.dask.cluster import worker_addresses
@@ -537,24 +537,21 @@ def transport_probe(client, n):
     first = worker_addresses(client)[0]
     params = initial_values("mlp")
     grads = {k: np.zeros_like(v) for k, v in params.items()}
-    out = {}
-    for transport in ("direct", "dask"):
-        server = DaskParameterServer(client, params, adam, dict(learning_rate=1e-3),
-                                     mode="async", workers=[first], transport=transport)
-        try:
-            version, _ = server.register("probe")
-            noop, push = [], []
-            for seq in range(n):
-                t = time.perf_counter()
-                server.actor_pids()
-                noop.append(time.perf_counter() - t)
-                t = time.perf_counter()
-                version = server.push("probe", seq, grads, version=version, pull=True)["version"]
-                push.append(time.perf_counter() - t)
-            out[transport] = (np.median(noop) * 1e3, np.median(push) * 1e3)
-        finally:
-            server.close()
-    return out
+    server = DaskParameterServer(client, params, adam, dict(learning_rate=1e-3),
+                                 mode="async", workers=[first])
+    try:
+        version, _ = server.register("probe")
+        noop, push = [], []
+        for seq in range(n):
+            t = time.perf_counter()
+            server.actor_pids()
+            noop.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            version = server.push("probe", seq, grads, version=version, pull=True)["version"]
+            push.append(time.perf_counter() - t)
+    finally:
+        server.close()
+    return {"Dask comms": (np.median(noop) * 1e3, np.median(push) * 1e3)}
 
 
 # --------------------------------------------------------------------------
@@ -573,7 +570,7 @@ def main(argv=None):
     import functools
 
     from lasagne_accum import adam
-    from lasagne_accum.distributed import train
+    from lasagne_accum.distributed import DaskOptions, train
     from lasagne_accum.distributed.dask import local_cluster
 
     start = time.perf_counter()
@@ -640,7 +637,8 @@ def main(argv=None):
                         result = train(build_model, functools.partial(
                             our_batches, "cnn", 2, cnn_pushes // 2), adam,
                             dict(learning_rate=MODELS["cnn"].lr), n_workers=2, backend="dask",
-                            client=client, shard_processes=args.shard_processes, **kw)
+                            dask=DaskOptions(client=client,
+                                             shard_processes=args.shard_processes), **kw)
                     else:
                         result = train(build_model, [trainer_batches("cnn", 0, 1, cnn_pushes)],
                                        adam, dict(learning_rate=MODELS["cnn"].lr),
@@ -704,10 +702,11 @@ def main(argv=None):
         print(f"\n## Where a push's time goes (ours, {MODELS['wide'].name}, 2 trainers; "
               "ms per push, means over the runs)\n")
         print("Compute: the 4 forward-backward calls and reading the accumulated gradient; "
-              "encode + decode: this trainer's; shard process: the request's seconds there "
-              "besides waiting for the round (decode, checks, merge, apply, copy); transport: "
-              "the rest of the push call (checks here, sockets, waiting for a CPU).\n")
-        print("| mode | compute (4 micro-batches) | encode + decode | transport | "
+              "request: preparing this trainer's (its arrays wrapped as Dask frames); shard "
+              "process: the request's seconds there besides waiting for the round (checks, "
+              "merge, apply, copy); transport: the rest of the push call (checks here, Dask's "
+              "encoding and decoding, sockets, waiting for a CPU).\n")
+        print("| mode | compute (4 micro-batches) | request | transport | "
               "shard process | waiting for the round | push call |")
         print("|---|---|---|---|---|---|---|")
         for mode in ("sync", "async"):
@@ -732,7 +731,7 @@ def main(argv=None):
             f"not reached in {len(t) - len(reached)} of {len(t)}"
         print(f"| {name} | {shown} | {np.median([v[1] for v in values]):.3f} | "
               f"{np.median([v[2] for v in values]):.1f} |")
-    print("\n## Transports (this process to the shard process, medians, ms)\n")
+    print("\n## Transport (this process to the shard process, medians, ms)\n")
     print("| transport | no-op request | push, digits MLP (pull=True) |")
     print("|---|---|---|")
     for transport, (noop, push) in probe.items():

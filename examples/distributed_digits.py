@@ -20,7 +20,7 @@ import pytensor.tensor as pt
 
 import lasagne_accum
 from lasagne_accum import updates as rules
-from lasagne_accum.distributed import train
+from lasagne_accum.distributed import DaskOptions, train
 
 import models
 
@@ -126,8 +126,8 @@ def main(argv=None):
     result = train(build_model, data, getattr(rules, args.optimizer), rule_kwargs,
                    mode=args.mode, backend=args.backend, accumulate=args.accumulate,
                    staleness_scale=args.staleness_scale, model_kwargs={"hidden": args.hidden},
-                   address=args.address, security=security,
-                   shard_processes=args.shard_processes)
+                   dask=DaskOptions(address=args.address, security=security,
+                                    shard_processes=args.shard_processes))
     total = time.perf_counter() - start
 
     (x, yv), params, loss, logits = mlp(args.hidden)

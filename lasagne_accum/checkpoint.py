@@ -226,23 +226,6 @@ def _json_or_raise(value, what):
     return dict(value)
 
 
-def _write_zip(fh, arrays, metadata=None, library=None):
-    members = _members(list(arrays))
-    manifest: dict[str, Any] = dict(format=FORMAT_VERSION,
-                                    names=[[n, m] for n, m in members.items()])
-    if metadata is not None:
-        manifest["metadata"] = metadata
-    if library:
-        manifest["lasagne_accum"] = library
-    with zipfile.ZipFile(fh, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
-        text = np.frombuffer(json.dumps(manifest).encode("utf-8"), np.uint8)
-        with zf.open(_MARKER, "w", force_zip64=True) as out:
-            npy_format.write_array(out, text, allow_pickle=False)
-        for name, value in arrays.items():
-            with zf.open(members[name], "w", force_zip64=True) as out:
-                npy_format.write_array(out, np.asanyarray(value), allow_pickle=False)
-
-
 def save_arrays(path: PathLike, arrays: Mapping[str, np.ndarray], *,
                 metadata: Mapping[str, Any] | None = None,
                 library: Mapping[str, Any] | None = None) -> list[str]:
@@ -276,15 +259,26 @@ def save_arrays(path: PathLike, arrays: Mapping[str, np.ndarray], *,
             raise TypeError(f"checkpoint names must be strings, got {name!r}")
         if np.asarray(value).dtype.hasobject:
             raise TypeError(f"{name}: dtype object cannot be saved without pickle")
-    metadata = _json_or_raise(metadata, "metadata")
-    library = _json_or_raise(library, "library")
+    members = _members(list(arrays))
+    manifest: dict[str, Any] = dict(format=FORMAT_VERSION,
+                                    names=[[n, m] for n, m in members.items()])
+    for key, what, given in (("metadata", "metadata", metadata),
+                             ("lasagne_accum", "library", library)):
+        if given is not None:
+            manifest[key] = _json_or_raise(given, what)
+    text = np.frombuffer(json.dumps(manifest).encode("utf-8"), np.uint8)
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     _clean_stale_temps(path)
     fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=".npz", dir=directory)
     try:
         with os.fdopen(fd, "wb") as fh:
-            _write_zip(fh, arrays, metadata, library)
+            with zipfile.ZipFile(fh, "w", compression=zipfile.ZIP_STORED,
+                                 allowZip64=True) as zf:
+                for member, value in [(_MARKER, text),
+                                      *((members[n], v) for n, v in arrays.items())]:
+                    with zf.open(member, "w", force_zip64=True) as out:
+                        npy_format.write_array(out, np.asanyarray(value), allow_pickle=False)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -387,11 +381,10 @@ def _index(zf, path):
     files = zf.namelist()
     if _MARKER not in files:
         raise ValueError(f"{path} is not a lasagne_accum checkpoint (no format marker)")
-    with zf.open(_MARKER) as fh:
-        try:
-            marker = _read_member(fh, _MARKER, path, (None, None), 1 << 24)
-        except ValueError as exc:
-            raise _not_readable(path, f"bad format marker ({exc})") from None
+    try:
+        marker = _read_member(zf, _MARKER, path, 1 << 24)
+    except ValueError as exc:
+        raise _not_readable(path, f"bad format marker ({exc})") from None
     if marker.shape == () and marker.dtype.kind in "iu":
         if int(marker) != 1:
             raise ValueError(f"{path} is a lasagne_accum checkpoint of format version "
@@ -444,29 +437,28 @@ def _header(fh, member, path):
     return tuple(shape), fortran, dtype
 
 
-def _read_member(fh, member, path, expected, max_bytes=None):
-    """Read one ``.npy`` member after checking its header against ``expected = (shape, dtype)``.
+def _read_member(zf, member, path, max_bytes=None):
+    """One ``.npy`` member, read by numpy without pickle once its header allows it.
 
-    `shape` or `dtype` None: any. Raises ValueError on a mismatch before
-    reading data.
+    ValueError before any data is read for a header that holds Python
+    objects or more than `max_bytes` bytes; for a member that ends early.
     """
-    shape, fortran, dtype = _header(fh, member, path)
-    if dtype.hasobject:
-        raise ValueError(f"{path}: {member} holds Python objects (pickle); refused")
-    want_shape, want_dtype = expected
-    if want_dtype is not None and dtype != np.dtype(want_dtype):
-        raise ValueError(f"dtype {dtype} in the checkpoint")
-    if want_shape is not None and shape != tuple(want_shape):
-        raise ValueError(f"shape {shape} in the checkpoint")
-    count = int(np.prod(shape, dtype=object)) if shape else 1
-    nbytes = count * dtype.itemsize
-    if max_bytes is not None and nbytes > max_bytes:
-        raise ValueError(f"{nbytes} bytes in the checkpoint, more than the {max_bytes} allowed")
-    data = fh.read(nbytes)
-    if len(data) != nbytes:
-        raise _not_readable(path, f"{member}: {len(data)} of {nbytes} bytes")
-    array = np.frombuffer(data, dtype=dtype, count=count).copy()
-    return array.reshape(shape[::-1]).T if fortran else array.reshape(shape)
+    try:
+        with zf.open(member) as fh:
+            shape, _, dtype = _header(fh, member, path)
+            if dtype.hasobject:
+                raise ValueError(f"{path}: {member} holds Python objects (pickle); refused")
+            nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
+            if max_bytes is not None and nbytes > max_bytes:
+                raise ValueError(f"{nbytes} bytes in the checkpoint, more than the "
+                                 f"{max_bytes} allowed")
+            fh.seek(0)
+            try:
+                return npy_format.read_array(fh, allow_pickle=False)
+            except ValueError as exc:
+                raise _not_readable(path, f"{member}: {exc}") from None
+    except (EOFError, OSError, zipfile.BadZipFile) as exc:
+        raise _not_readable(path, f"{member}: {exc}") from None
 
 
 def read_arrays(
@@ -553,13 +545,7 @@ def _read(path, expected, *, strict=True, optional=(), max_bytes=1 << 26):
         if problems:
             raise ValueError(f"cannot load {path}; nothing was loaded:\n  " +
                              "\n  ".join(problems))
-        out = OrderedDict()
-        for name in todo:
-            try:
-                with zf.open(index[name]) as fh:
-                    out[name] = _read_member(fh, index[name], path, expected[name])
-            except (zipfile.BadZipFile, OSError, EOFError) as exc:
-                raise _not_readable(path, f"{name}: {exc}") from None
+        out = OrderedDict((name, _read_member(zf, index[name], path)) for name in todo)
         return out, extras
 
 

@@ -45,6 +45,32 @@ def _copy_of(value: Any) -> Any:
     return as_host_array(value)     # a JAX or torch array: copied to the host
 
 
+def warm_up_calls(touched: Iterable[Any], *calls: Callable[[], Any]) -> float:
+    """Make `calls` once, then put back the value of every shared variable in `touched`.
+
+    JIT backends (Numba, JAX, PyTorch) compile a function on its first call:
+    warming up moves that time to where compiling is counted. Returns the
+    seconds the calls took.
+    """
+    import time
+
+    from ._graph import write_value
+
+    touched = list({id(v): v for v in touched}.values())
+    saved = [(v, _copy_of(v.get_value(borrow=True))) for v in touched]
+    start = time.perf_counter()
+    try:
+        for call in calls:
+            call()
+    finally:
+        for v, value in saved:
+            if isinstance(value, np.ndarray):
+                write_value(v, value)     # a device tensor keeps its storage
+            else:
+                v.set_value(value)        # a random generator
+    return time.perf_counter() - start
+
+
 class AccumulationTrainer:
     """Two compiled functions and the loop logic between them.
 
@@ -182,10 +208,7 @@ class AccumulationTrainer:
         call: warming up moves that time to where you count compiling, and
         leaves the model, the rule's state and the window as they were.
         """
-        import time
-
         from .checkpoint import collect_state
-        from ._graph import write_value
 
         # everything the two functions update: their update dictionaries, and the
         # shared variables with a default update (a random stream's generator)
@@ -194,19 +217,7 @@ class AccumulationTrainer:
             maker = getattr(fn, "maker", None)
             touched += [i.variable for i in getattr(maker, "inputs", ())
                         if getattr(i, "update", None) is not None]
-        touched = list({id(v): v for v in touched}.values())
-        saved = [(v, _copy_of(v.get_value(borrow=True))) for v in touched]
-        start = time.perf_counter()
-        try:
-            self.accumulate_fn(*batch)
-            self.apply_fn()
-        finally:
-            for v, value in saved:
-                if isinstance(value, np.ndarray):
-                    write_value(v, value)     # a device tensor keeps its storage
-                else:
-                    v.set_value(value)        # a random generator
-        return time.perf_counter() - start
+        return warm_up_calls(touched, lambda: self.accumulate_fn(*batch), self.apply_fn)
 
     def _apply(self):
         self.apply_fn()

@@ -339,6 +339,37 @@ def test_truncated_member_and_lying_header_are_value_errors(tmp_path):
     assert np.array_equal(w.get_value(), np.zeros(1000))
 
 
+def test_a_member_whose_bytes_changed_is_a_value_error_and_loads_nothing(tmp_path):
+    """The zip's checksum catches data changed after the header: a clear error, no load."""
+    w = pytensor.shared(np.arange(64.0), name="w")
+    path = tmp_path / "c.npz"
+    save_state(path, [w])
+    data = bytearray(path.read_bytes())
+    at = bytes(data).index(np.arange(64.0).tobytes())        # the stored array's bytes
+    data[at + 8] ^= 0xFF
+    path.write_bytes(bytes(data))
+    w.set_value(np.zeros(64))
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        load_state(path, [w])
+    assert np.array_equal(w.get_value(), np.zeros(64))
+
+
+def test_a_fortran_order_member_loads_with_its_values(tmp_path):
+    import io
+    w = pytensor.shared(np.zeros((3, 2)), name="w")
+    path = tmp_path / "c.npz"
+    save_state(path, [w])
+    members = _saved_members(path)
+    value = np.asfortranarray(np.arange(6.0).reshape(3, 2))
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, value)
+    assert b"'fortran_order': True" in buf.getvalue()[:128]
+    members["w.npy"] = buf.getvalue()
+    _write_raw(path, members)
+    load_state(path, [w])
+    assert w.get_value().tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+
+
 def test_unknown_format_version_is_refused(tmp_path):
     w = pytensor.shared(np.zeros(2), name="w")
     path = tmp_path / "c.npz"

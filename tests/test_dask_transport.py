@@ -1,26 +1,22 @@
-"""The Dask backend's transports: direct links, and the shard handler over Dask comms.
+"""The Dask backend's transport: requests to the shard handler over Dask's pooled comms.
 
-Calls from trainers (and from the client process) reach the shards over a
-persisted link per (thread, process), not through Dask's actor calls: a
-socket of the library's own (``transport="direct"``, the default) or a Dask
-comm to the comm handler that each shard process serves (``"dask"``). These
-tests check, for both, what that path must keep: exactly-once pushes when a
-persisted link was closed under it, ShardLostError when the shards are gone,
-calls from a thread that runs an event loop, cross-process all-or-nothing
-pushes, and TLS where the cluster uses it; and that a direct listener admits
-no link without the server's token. One loopback ``LocalCluster`` (2
-processes) serves the module and is closed at the end.
+Calls from trainers (and from the client process) reach the shards as Dask
+messages to the comm handler that each shard process serves, over comms from
+a Dask ``ConnectionPool`` driven by one event-loop thread per process. These
+tests check what that path must keep: exactly-once pushes when a pooled comm
+was closed under it, ShardLostError when the shards are gone, calls from a
+thread that runs an event loop, cross-process all-or-nothing pushes, and TLS
+where the cluster uses it. One loopback ``LocalCluster`` (2 processes) serves
+the module and is closed at the end.
 """
 
 import asyncio
 import importlib.util
 import os
 import pickle
-import socket
 import ssl
 import threading
 import time
-import warnings
 
 import numpy as np
 import pytest
@@ -51,11 +47,10 @@ def _server(client, **kw):
                                compile_mode="CVM", **kw)
 
 
-@pytest.fixture(params=["direct", "dask"])
-def server(client, request):
+@pytest.fixture
+def server(client):
     """A fresh async server on the module's cluster (one shard per process), closed after."""
-    s = _server(client, transport=request.param)
-    assert s.transport == request.param
+    s = _server(client)
     yield s
     s.close()
 
@@ -68,11 +63,12 @@ def _abort_comms_from(peers, dask_worker):
     return len(comms)
 
 
-def _abort_direct_links(dask_worker):
-    """Abort every direct link this worker's listener serves; how many."""
-    from lasagne_accum.distributed.dask.listener import listener_of
+def _idle_comms(server):
+    """This process's idle pooled comms to `server`'s shard processes."""
+    from lasagne_accum.distributed.dask.transport import _comms
 
-    return listener_of(dask_worker).abort_links()
+    return [c for _, pool in _comms.pools.values() for h in server.hosts
+            for c in pool.available.get(h, ())]
 
 
 def _installed(dask_worker):
@@ -108,26 +104,35 @@ def test_push_on_a_comm_closed_under_it_is_resent_and_applied_once(client, serve
     version, _ = server.register("a")
     g = {"w": np.ones(3), "b": np.ones(1)}
     assert server.push("a", 0, g, version=version)["applied"]
-    # the shard processes drop this thread's persisted comms while they are idle
-    from lasagne_accum.distributed.dask.transport import _links
-
-    mine = [c.local_address for c in _links.links.values()]
-    if server.transport == "direct":
-        assert all(isinstance(k, tuple) for k in _links.links)      # no Dask comm used
-        closed = client.run(_abort_direct_links, workers=server.hosts)
-    else:
-        assert all(isinstance(k, str) for k in _links.links)
-        closed = client.run(_abort_comms_from, mine, workers=server.hosts)
+    # the shard processes drop this process's pooled comms while they are idle
+    mine = [c.local_address for c in _idle_comms(server)]
+    assert len(mine) >= 2
+    closed = client.run(_abort_comms_from, mine, workers=server.hosts)
     assert sum(closed.values()) >= 2
     time.sleep(0.2)
     r = server.push("a", 1, g, version=(1, 1))
     assert r["applied"] and not r["duplicate"] and r["version"] == (2, 2)
-    assert not set(c.local_address for c in _links.links.values()) & set(mine)   # new comms
+    assert not set(c.local_address for c in _idle_comms(server)) & set(mine)   # new comms
     again = server.push("a", 1, g, version=(1, 1))           # the same id: not twice
     assert again["duplicate"] and not again["applied"] and again["version"] == (2, 2)
     _, params = server.pull()
     np.testing.assert_array_equal(params["w"], -2 * np.ones(3))
     assert server.stats()["applied"] == 2
+
+
+def test_calls_are_timed_only_with_the_profile_option(client, server):
+    server.register("a")
+    server.push("a", 0, {"w": np.ones(3), "b": np.ones(1)}, version=(0, 0), pull=True)
+    assert server.options.profile is False and server.last_timing() is None
+    profiled = _server(client, profile=True)
+    try:
+        profiled.register("a")
+        profiled.push("a", 0, {"w": np.ones(3), "b": np.ones(1)}, version=(0, 0), pull=True)
+        timing = profiled.last_timing()
+        assert sorted(timing) == ["round", "serialise", "shard"]
+        assert timing["shard"] > 0 and timing["serialise"] > 0 and timing["round"] == 0.0
+    finally:
+        profiled.close()
 
 
 def test_cross_process_push_is_all_or_nothing(client, server):
@@ -156,11 +161,8 @@ def test_calls_from_a_thread_running_an_event_loop(client, server):
     np.testing.assert_array_equal(params["b"], -np.ones(1))
 
 
-@pytest.mark.parametrize("transport", ["direct", "dask"])
-def test_released_shards_raise_shard_lost_within_the_timeout(client, transport):
-    from lasagne_accum.distributed.dask.transport import _links
-
-    server = _server(client, wait_timeout=2.0, transport=transport)
+def test_released_shards_raise_shard_lost_within_the_timeout(client):
+    server = _server(client, wait_timeout=2.0)
     server.register("a")
     copy = pickle.loads(pickle.dumps(server))     # what a task holds: it does not see close()
     server.close()                    # the actors go: their state is lost
@@ -169,67 +171,57 @@ def test_released_shards_raise_shard_lost_within_the_timeout(client, transport):
     with pytest.raises(ShardLostError, match="lost.*restart from a checkpoint"):
         copy.pull()
     assert time.monotonic() - start < 2.0 + 5.0
-    if transport == "direct":         # its links were the released shards': none left open
-        assert not any(k in _links.links for k in copy._link_keys())
 
 
-@pytest.mark.parametrize("transport", ["direct", "dask"])
-def test_a_closed_server_refuses_calls_at_once(client, transport):
-    from lasagne_accum.distributed.dask.transport import _links
+def test_a_closed_server_refuses_calls_at_once(client):
+    from lasagne_accum.distributed.dask.transport import _comms
 
-    server = _server(client, transport=transport)
+    server = _server(client)
     server.register("a")
     server.close()
+    opened = sum(pool.open for _, pool in _comms.pools.values())
     for call in (server.pull, server.stats, server.actor_pids, lambda: server.register("b"),
                  lambda: server.push("a", 0, {"w": np.ones(3), "b": np.ones(1)},
                                      version=(0, 0))):
         with pytest.raises(ServerClosedError, match="DaskParameterServer was closed"):
             call()
-    # refused before any link is opened: the actors may not be released yet, and a new
-    # link to a process that still holds them would stay open in this thread
-    assert not any(k in _links.links for k in server._link_keys())
+    # refused before any message is sent: no comm taken from the pool, none opened
+    assert sum(pool.open for _, pool in _comms.pools.values()) == opened
+    assert sum(pool.active for _, pool in _comms.pools.values()) == 0
 
 
-def test_shards_released_under_an_open_direct_link_drop_it(client):
-    from lasagne_accum.distributed.dask.transport import _links
-
+def test_shards_released_under_open_comms_raise_shard_lost(client):
     server = _server(client, wait_timeout=2.0)
-    server.register("a")                          # this thread's links are open now
-    keys = server._link_keys()
-    assert all(k in _links.links for k in keys)
-    for f in server._futures:                     # the actors go, the links stay open
+    server.register("a")                          # this process's comms are open now
+    assert len(_idle_comms(server)) >= 2
+    for f in server._futures:                     # the actors go, the comms stay open
         f.release()
-    server._futures = []                          # (close() would drop the links too)
+    server._futures = []
     _wait_released(client, server)
-    assert all(k in _links.links for k in keys)   # still open
-    with pytest.raises(ShardLostError, match="lost.*restart from a checkpoint"):
+    with pytest.raises(ShardLostError, match="lost.*no shards under that key"):
         server.pull()                             # both processes answer: no such shards
-    assert not any(k in _links.links for k in keys)
     server.close()
 
 
-def test_direct_links_of_an_ended_thread_are_closed(client):
-    from lasagne_accum.distributed.dask.transport import _links
+def test_calls_from_many_threads_share_one_event_loop_thread(client, server):
+    from lasagne_accum.distributed.dask import transport
 
-    server = _server(client)
-    sockets = []
+    server.register("a")
+    loops = set()
 
-    def call():                       # a short-lived thread: its links are its own
-        server.pull()
-        sockets.extend(link._sock for link in _links.links.values())
+    def pulls():
+        for _ in range(3):
+            server.pull()
+        loops.add(id(transport._comms.loop))
 
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            thread = threading.Thread(target=call)
-            thread.start()
-            thread.join(timeout=30)
-            del thread
-        assert len(sockets) == 2                          # one per shard process
-        assert all(s.fileno() == -1 for s in sockets)     # closed when the thread ended
-        assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
-    finally:
-        server.close()
+    threads = [threading.Thread(target=pulls) for _ in range(4)]
+    before = threading.active_count()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(loops) == 1 and threading.active_count() <= before
+    assert [t.name for t in threading.enumerate()].count("lasagne-accum-comms") == 1
 
 
 def _actor_keys(dask_worker):
@@ -244,92 +236,11 @@ def _wait_released(client, server, timeout=30):
         time.sleep(0.05)
 
 
-def _token_answer(address, token):
-    """Open a plain TCP link to a direct listener, send `token` and close the sending side:
-    all that comes back before the listener closes the link."""
-    with socket.create_connection(address, timeout=10) as sock:
-        sock.sendall(token)
-        sock.shutdown(socket.SHUT_WR)
-        answer = b""
-        while chunk := sock.recv(64):
-            answer += chunk
-    return answer
-
-
-def test_direct_listener_admits_only_the_servers_token(client):
-    from lasagne_accum.distributed.dask.transport import _links
-
-    server = _server(client)
-    other = _server(client)          # same processes, same listeners, another token
-    try:
-        token, addresses = server._transport.token, server._transport.addresses
-        assert server.transport == "direct" and len(addresses) == 2
-        assert addresses == other._transport.addresses and token != other._transport.token
-        for address in addresses:
-            assert address[0] == "127.0.0.1"
-            assert _token_answer(address, os.urandom(16)) == b"\x00"    # refused, closed
-            assert _token_answer(address, b"x") == b""                # too short: closed
-            answer = _token_answer(address, token)                    # admitted, and the
-            assert answer[:1] == b"\x01" and len(answer) == 9         # largest request
-            assert int.from_bytes(answer[1:], "little") >= 4 << 20
-        server.register("a")
-        other.register("a")
-        r = server.push("a", 0, {"w": np.ones(3), "b": np.ones(1)}, version=(0, 0), pull=True)
-        np.testing.assert_array_equal(r["params"]["w"], -np.ones(3))
-        _, params = other.pull()                   # the other server's shards: untouched
-        np.testing.assert_array_equal(params["w"], np.zeros(3))
-        tokens = {k[2] for k in _links.links if isinstance(k, tuple)}
-        assert {server._transport.token, other._transport.token} <= tokens
-    finally:
-        server.close()
-        other.close()
-    _wait_released(client, server)
-    for address in addresses:                      # the released server's token: refused
-        assert _token_answer(address, token) == b"\x00"
-
-
-def test_no_direct_socket_falls_back_to_dask_comms_with_a_warning(client, monkeypatch):
-    from lasagne_accum.distributed.dask import actor
-
-    def unbindable(dask_worker):          # as a contact address that is not this machine's
-        return "OSError: [Errno 99] Cannot assign requested address"
-
-    monkeypatch.setattr(actor, "_listen", unbindable)
-    with pytest.warns(RuntimeWarning, match="direct links unavailable, using Dask comms.*"
-                                            "Cannot assign requested address"):
-        server = _server(client)
-    try:
-        assert server.transport == "dask" and not hasattr(server._transport, "token")
-        server.register("a")
-        r = server.push("a", 0, {"w": np.ones(3), "b": np.ones(1)}, version=(0, 0), pull=True)
-        np.testing.assert_array_equal(r["params"]["w"], -np.ones(3))
-    finally:
-        server.close()
-
-
-def test_listen_reports_a_socket_it_cannot_open():
-    from lasagne_accum.distributed.dask import actor
-
-    class Worker:                          # what the listener reads of a distributed.Worker
-        address = "tcp://192.0.2.1:4000"   # TEST-NET-1: never this machine's
-        state = type("State", (), {"actors": {}})()
-        loop = None
-
-    assert actor._listen(Worker()).startswith("OSError")
-
-
-def test_transport_is_checked(client):
-    with pytest.raises(ValueError, match="transport must be 'direct' or 'dask'"):
-        _server(client, transport="tcp")
-
-
-@pytest.mark.parametrize("transport", ["direct", "dask"])
-def test_shard_comms_use_the_clusters_tls(transport):
+def test_shard_comms_use_the_clusters_tls():
     from lasagne_accum.distributed.dask import local_cluster
-    from lasagne_accum.distributed.dask.transport import _links
 
     with local_cluster(2, security=True) as tls_client:
-        server = _server(tls_client, transport=transport)
+        server = _server(tls_client)
         try:
             assert all(h.startswith("tls://127.0.0.1:") for h in server.hosts)
             seen = tls_client.submit(_push_then_pull, server, "a", 3, pure=False).result(
@@ -337,12 +248,9 @@ def test_shard_comms_use_the_clusters_tls(transport):
             assert seen == [(1, 1), (2, 2), (3, 3)]
             _, params = server.pull()                     # from the client's process
             np.testing.assert_array_equal(params["w"], -3 * np.ones(3))
-            if transport == "direct":
-                links = [_links.links[k] for k in server._link_keys()]
-                assert all(isinstance(link._sock, ssl.SSLSocket) for link in links)
-                # the token in plain TCP: the TLS handshake fails and the link is closed
-                assert _token_answer(server._transport.addresses[0],
-                                     server._transport.token) == b""
+            comms = _idle_comms(server)
+            assert len(comms) == 2 and all(c.peer_address.startswith("tls://") for c in comms)
+            assert all(isinstance(c.stream.socket, ssl.SSLSocket) for c in comms)
         finally:
             server.close()
 

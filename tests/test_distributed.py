@@ -25,6 +25,8 @@ import pytest
 
 from lasagne_accum import adam, momentum, sgd
 from lasagne_accum.distributed import (
+    Checkpoint,
+    DaskOptions,
     ParameterServer,
     PushRejected,
     RoundFailedError,
@@ -391,13 +393,13 @@ def test_checkpoint_resume_same_result(tmp_path, mode):
     straight = train(build_model, [b + b for b in epoch], adam,
                      dict(learning_rate=schedule), **kw)
     path = tmp_path / "server.npz"
-    first = train(build_model, epoch, adam, dict(learning_rate=schedule), checkpoint_to=path,
-                  **kw)
+    first = train(build_model, epoch, adam, dict(learning_rate=schedule),
+                  checkpoint=Checkpoint(to=path), **kw)
     names = np.load(path).files
     assert "W1" in names and "W1.adam_m" in names and "W1/adam.t" in names \
         and "W1/counters" in names
-    resumed = train(build_model, epoch, adam, dict(learning_rate=schedule), resume_from=path,
-                    **kw)
+    resumed = train(build_model, epoch, adam, dict(learning_rate=schedule),
+                    checkpoint=Checkpoint(resume_from=path), **kw)
     assert first.version == tuple(v // 2 for v in straight.version)
     assert resumed.version == straight.version
     assert resumed.stats["applied"] == straight.stats["applied"]
@@ -699,14 +701,48 @@ def test_checkpoint_every_saves_while_training_local(tmp_path):
     path = tmp_path / "ps.npz"
     data = [_slow(batches_for(80, [4] * 12), 0.05)]
     result = train(build_model, data, sgd, dict(learning_rate=0.1), mode="async",
-                   compile_mode="CVM", checkpoint_to=path, checkpoint_every=0.1)
+                   compile_mode="CVM", checkpoint=Checkpoint(to=path, every=0.1))
     assert result.checkpoints >= 2                     # ~0.6 s of training, a save per 0.1 s
     fresh = ParameterServer({p.name: p.get_value() for p in build_model()[2]}, sgd,
                             dict(learning_rate=0.1), mode="async")
     fresh.load(path)                                   # the final save: the end state
     assert fresh.pull()[0] == result.version == (12,) * 4
-    with pytest.raises(ValueError, match="checkpoint_every= needs checkpoint_to="):
-        train(build_model, data, sgd, dict(learning_rate=0.1), checkpoint_every=1.0)
+    with pytest.raises(ValueError, match=r"Checkpoint\(every=...\) needs to="):
+        train(build_model, data, sgd, dict(learning_rate=0.1), checkpoint=dict(every=1.0))
+
+
+@pytest.mark.parametrize("old, new", [
+    ("address", r"dask=DaskOptions\(address=...\)"),
+    ("client", r"dask=DaskOptions\(client=...\)"),
+    ("security", r"dask=DaskOptions\(security=...\)"),
+    ("n_dask_workers", r"dask=DaskOptions\(n_dask_workers=...\)"),
+    ("shard_processes", r"dask=DaskOptions\(shard_processes=...\)"),
+    ("resume_from", r"checkpoint=Checkpoint\(resume_from=...\)"),
+    ("checkpoint_to", r"checkpoint=Checkpoint\(to=...\)"),
+    ("checkpoint_every", r"checkpoint=Checkpoint\(every=...\)"),
+])
+def test_train_refuses_the_old_keywords_naming_the_new_spelling(old, new):
+    with pytest.raises(TypeError, match=rf"train\(\): {old}= is now {new}"):
+        train(build_model, [batches_for(1, [2])], sgd, dict(learning_rate=0.1), **{old: None})
+
+
+def test_train_grouped_options_are_checked():
+    data = [batches_for(1, [2])]
+    with pytest.raises(ValueError, match="shard_processes must be an integer >= 0, got -1"):
+        train(build_model, data, sgd, dict(learning_rate=0.1), dask=DaskOptions(
+            shard_processes=-1))
+    with pytest.raises(TypeError, match="dask= takes a DaskOptions .* got str"):
+        train(build_model, data, sgd, dict(learning_rate=0.1), dask="tcp://127.0.0.1:1")
+    with pytest.raises(ValueError, match="every"):
+        Checkpoint(to="x.npz", every=0)
+
+
+def test_train_help_fits_one_screen():
+    import math
+    import pydoc
+
+    text = pydoc.plain(pydoc.render_doc(train)).splitlines()
+    assert sum(max(1, math.ceil(len(line) / 80)) for line in text) <= 60    # at 80 columns
 
 
 # ------------------------------------------------------------------ accumulation traffic
@@ -799,7 +835,7 @@ def test_dask_sync_equals_local_and_large_batch(dask_client, tmp_path):
     kw = dict(mode="sync", accumulate=2, compile_mode="CVM")
     path = tmp_path / "dask.npz"
     on_dask = train(build_model, worker_batches, adam, dict(learning_rate=0.05), backend="dask",
-                    client=dask_client, checkpoint_to=path, **kw)
+                    dask=DaskOptions(client=dask_client), checkpoint=Checkpoint(to=path), **kw)
     local = train(build_model, worker_batches, adam, dict(learning_rate=0.05), **kw)
     expected = reference_sync(adam, dict(learning_rate=0.05), worker_batches, 2)
     assert on_dask.backend == "dask" and on_dask.version == (2,) * 4
@@ -818,7 +854,7 @@ def test_dask_sync_equals_local_and_large_batch(dask_client, tmp_path):
 def test_dask_async_training_with_staleness(dask_client):
     worker_batches = [batches_for(70 + k, [4] * 6) for k in range(2)]
     r = train(build_model, worker_batches, sgd, dict(learning_rate=0.05), mode="async",
-              backend="dask", client=dask_client, staleness_scale=True, compile_mode="CVM")
+              backend="dask", dask=DaskOptions(client=dask_client), staleness_scale=True, compile_mode="CVM")
     assert r.stats["applied"] == 12 and r.version == (12,) * 4
     assert sum(r.stats["staleness"].values()) == 12 * 4
     assert all(np.all(np.isfinite(v)) for v in r.params.values())
@@ -889,7 +925,7 @@ def test_server_keeps_the_averages_of_a_single_process_run(backend, mode, tmp_pa
     ema_kwargs = dict(decay=0.8)
     result = train(build_model, [batches], sgd, dict(learning_rate=0.1), mode=mode,
                    backend=backend, model_average=ma_kwargs, ema=ema_kwargs,
-                   checkpoint_to=tmp_path / "server.npz")
+                   checkpoint=Checkpoint(to=tmp_path / "server.npz"))
     want_ma, want_ema = _averaged_reference(batches, 0.1, ma_kwargs, ema_kwargs)
     assert set(result.averaged_params) == set(want_ma) == set(result.params)
     for name in want_ma:

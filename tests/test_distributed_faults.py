@@ -20,7 +20,8 @@ import pytensor.tensor as pt
 import pytest
 
 from lasagne_accum import sgd
-from lasagne_accum.distributed import ParameterServer, ShardLostError, train
+from lasagne_accum.distributed import Checkpoint, DaskOptions, ParameterServer, ShardLostError, \
+    train
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("distributed") is None,
                                 reason="needs dask[distributed]")
@@ -125,7 +126,8 @@ def test_trainer_process_dies_train_returns_and_reports_it(cluster, mode):
         batches = [functools.partial(slow_batches, k, n, 0.05) for k in range(2)]
         killer, box = _kill_when(server, victim, 5)
         start = time.monotonic()
-        result = train(build_model, batches, None, server=server, client=client, mode=mode,
+        result = train(build_model, batches, None, server=server, mode=mode,
+                       dask=DaskOptions(client=client),
                        backend="dask", compile_mode="CVM")
         end = time.monotonic()
         killer.join(timeout=5)
@@ -156,8 +158,9 @@ def test_shard_process_dies_pending_calls_fail_fast_and_checkpoint_resumes(clust
     killer, box = _kill_when(server, shard_pid, 8)
     start = time.monotonic()
     with pytest.raises((ShardLostError, RuntimeError), match="shard.*lost") as info:
-        train(build_model, batches, None, server=server, client=client, mode="sync",
-              backend="dask", compile_mode="CVM", checkpoint_to=path, checkpoint_every=0.2)
+        train(build_model, batches, None, server=server, dask=DaskOptions(client=client),
+              mode="sync", backend="dask", compile_mode="CVM",
+              checkpoint=Checkpoint(to=path, every=0.2))
     end = time.monotonic()
     killer.join(timeout=5)
     server.close()
@@ -165,7 +168,7 @@ def test_shard_process_dies_pending_calls_fail_fast_and_checkpoint_resumes(clust
     assert end - box["t"] < 5.0 + 5.0 + 10          # wait_timeout + grace + slack: no hang
     assert isinstance(info.value, ShardLostError)
     message = str(info.value)
-    assert "restart from a checkpoint" in message and "resume_from=" in message
+    assert "restart from a checkpoint" in message and "Checkpoint(resume_from=" in message
     # the last periodic checkpoint (the first is written as training starts) resumes in a
     # fresh server; the steps lost are those after its version
     fresh = ParameterServer({p.name: p.get_value() for p in build_model()[2]}, sgd,

@@ -6,14 +6,15 @@ Reference: a numpy SGD applied by hand (integer-valued gradients, exact).
 import numpy as np
 import pytest
 
-from lasagne_accum.distributed.checks import (
+from lasagne_accum.distributed.errors import (
     PushRejected,
     RoundFailedError,
     RoundTimeoutError,
-    ServerOptions,
     StalePushError,
     UnknownWorkerError,
 )
+from lasagne_accum.distributed.options import ServerOptions
+from lasagne_accum.distributed.reduction import reduce_grads, reduce_grads_numpy
 from lasagne_accum.distributed.rounds import Rounds, Seen
 
 SPECS = {"w": ((2,), "float64")}
@@ -203,3 +204,31 @@ def test_waiters_of_one_round_share_one_read_only_copy():
     assert after is not first
     np.testing.assert_array_equal(after, -3 * np.ones(3))
     np.testing.assert_array_equal(first, -2 * np.ones(3))       # the old one unchanged
+
+
+def _written_out(arrays, weights, total, dtype, mean):
+    """The round's reduction as the formula reads (float64, in order, rounded once)."""
+    acc = np.zeros(np.shape(arrays[0]), np.float64)
+    for g, w in zip(arrays, weights):
+        acc = acc + (g.astype(np.float64) * w if mean else g.astype(np.float64))
+    return (acc / total if mean else acc).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_reduce_grads_gives_the_formulas_bits(dtype, k):
+    rng = np.random.default_rng(k)
+    scale = 3 if dtype == "float16" else 6
+    arrays = [(rng.standard_normal((64, 33)) * 10.0 ** rng.integers(-scale, scale, (64, 33)))
+              .astype(dtype) for _ in range(k)]
+    arrays[0][0, :3] = [-0.0, 0.0, 1e-30]
+    weights = [float(rng.integers(1, 500)) + 0.25 * i for i in range(k)]
+    total = sum(weights)
+    scratch = {}                                  # kept between calls, as a shard does
+    for mean in (True, False, True):
+        expected = _written_out(arrays, weights, total, dtype, mean)
+        for got in (reduce_grads(arrays, weights, total, dtype, mean),
+                    reduce_grads(arrays, weights, total, dtype, mean, scratch=scratch),
+                    reduce_grads_numpy(arrays, weights, total, dtype, mean)):
+            assert got.dtype == np.dtype(dtype) and got.shape == (64, 33)
+            assert got.tobytes() == expected.tobytes(), mean

@@ -32,10 +32,11 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from . import checks
-from .checks import *  # noqa: F403  ServerOptions and the exceptions: checks.__all__
-from .checks import ServerOptions, ShardLostError
+from . import errors
+from .errors import *  # noqa: F403  the exceptions: errors.__all__
+from .errors import ShardLostError
 from ..checkpoint import save_arrays
+from .options import Checkpoint, DaskOptions, ServerOptions
 from .local import run_local
 from .server import ParameterServer
 from .shard import Shard
@@ -44,8 +45,9 @@ from .worker import Worker, model_spec
 if TYPE_CHECKING:
     from .._typing import PathLike, UpdateRule
 
-__all__ = ["train", "TrainResult", "ParameterServer", "Shard", "Worker", "run_local"]
-__all__ += checks.__all__
+__all__ = ["train", "TrainResult", "ParameterServer", "Shard", "Worker", "run_local",
+           "ServerOptions", "DaskOptions", "Checkpoint"]
+__all__ += errors.__all__
 
 BACKENDS = ("local", "dask")
 
@@ -72,12 +74,12 @@ class TrainResult:
     backend, mode : str
     server : ParameterServer or None
         The local server (to keep training or save it); None for Dask, whose
-        actors are released at the end (use `checkpoint_to`).
+        actors are released at the end (use ``checkpoint=Checkpoint(to=...)``).
     lost_workers : list of dict
         Dask: trainers whose process died (``worker``, ``address``,
         ``reason``); training went on without them.
     checkpoints : int
-        Checkpoints written during training (`checkpoint_every`).
+        Checkpoints written during training (``Checkpoint(every=...)``).
     averaged_params, ema_params : dict
         With ``train(model_average=...)`` / ``train(ema=...)``: the averages the
         server kept, ``{name: array}`` (empty without them).
@@ -139,6 +141,34 @@ def _initial_params(build_model, model_kwargs):
     return out
 
 
+#: The keywords that train() took before they were grouped, and their new spelling.
+RENAMED = {
+    "address": "dask=DaskOptions(address=...)",
+    "client": "dask=DaskOptions(client=...)",
+    "security": "dask=DaskOptions(security=...)",
+    "n_dask_workers": "dask=DaskOptions(n_dask_workers=...)",
+    "shard_processes": "dask=DaskOptions(shard_processes=...)",
+    "resume_from": "checkpoint=Checkpoint(resume_from=...)",
+    "checkpoint_to": "checkpoint=Checkpoint(to=...)",
+    "checkpoint_every": "checkpoint=Checkpoint(every=...)",
+}
+
+
+def _refuse_renamed(function):
+    """Refuse the keywords of :data:`RENAMED` with a TypeError that names the new spelling."""
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        old = [k for k in kwargs if k in RENAMED]
+        if old:
+            raise TypeError(f"{function.__name__}(): " + "; ".join(
+                f"{k}= is now {RENAMED[k]}" for k in old))
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+@_refuse_renamed
 def train(
     build_model: Callable[..., Any],
     worker_batches: Sequence[Any] | Callable[[int], Any],
@@ -157,19 +187,14 @@ def train(
     model_kwargs: Mapping[str, Any] | None = None,
     compile_mode: str | None = None,
     snapshot_interval: float | None = None,
-    resume_from: PathLike | None = None,
-    checkpoint_to: PathLike | None = None,
     server: Any = None,
-    address: str | None = None,
-    client: Any = None,
-    security: Any = None,
-    n_dask_workers: int | None = None,
-    shard_processes: int = 1,
     keep_log: bool = False,
+    profile: bool = False,
     wait_timeout: float = 600.0,
-    checkpoint_every: float | None = None,
     model_average: Mapping[str, Any] | None = None,
     ema: Mapping[str, Any] | None = None,
+    checkpoint: Checkpoint | Mapping[str, Any] | None = None,
+    dask: DaskOptions | Mapping[str, Any] | None = None,
 ) -> TrainResult:
     """Train with a parameter server and one worker per batch list; same code on both backends.
 
@@ -177,59 +202,36 @@ def train(
     ----------
     build_model : callable
         ``build_model(**model_kwargs)`` returning ``(inputs, loss, params)``
-        with named shared params (optionally a 4th element: the batch weight,
-        default the first input's length). Called once here for the initial
-        values and once in every worker. For Dask: a module-level function
-        (functions of the ``__main__`` script are pickled by value).
+        with named shared params (optionally a 4th element: the batch weight).
+        For Dask: a module-level function.
     worker_batches : list or callable
         One list of batches (tuples of input arrays) per worker, or
-        ``worker_batches(k)`` returning worker k's batches (with
-        `n_workers`; under Dask it is called inside the task).
+        ``worker_batches(k)`` giving worker k's batches (with `n_workers`;
+        under Dask it is called inside the task).
     update_rule, rule_kwargs
         Any rule and its hyperparameters; ``learning_rate`` may be a
-        schedule ``callable(step) -> float`` evaluated at every shard step
-        (sync and async alike).
+        schedule ``callable(step)``, evaluated at every shard step.
     mode : {"sync", "async"}
     backend : {"local", "dask"}
+        Threads in this process, or Dask processes (see `dask`).
     accumulate : int
         Batches accumulated locally per push.
-    shards, merge, staleness_scale, round_timeout, on_timeout, compile_mode, keep_log,
-    wait_timeout
-        See :class:`ParameterServer` and :class:`ServerOptions`.
+    shards, merge, staleness_scale, round_timeout, on_timeout, compile_mode,
+    keep_log, profile, wait_timeout, model_average, ema
+        The server's options: see :class:`ServerOptions`. With
+        `model_average` / `ema`, ``TrainResult.averaged_params`` /
+        ``.ema_params`` hold the averages the server kept.
     snapshot_interval : float, optional
         Record ``(time, version, params)`` every this many seconds.
-    resume_from, checkpoint_to : path, optional
-        Load the server's state before training; save it after.
-    model_average, ema : dict, optional
-        Keyword arguments of :class:`lasagne_accum.ModelAverage` /
-        :class:`lasagne_accum.ExponentialMovingAverage`: the server keeps the
-        average of the parameters, advanced at every optimizer step of every
-        shard (sync and async, both backends), saved in its checkpoints;
-        ``TrainResult.averaged_params`` / ``.ema_params`` hold it at the end.
-    checkpoint_every : float, optional
-        Also save to `checkpoint_to` every this many seconds while training
-        runs (atomic, through :func:`lasagne_accum.checkpoint.save_arrays`; both
-        backends), so a lost shard process costs at most that much training:
-        restart with ``resume_from=checkpoint_to``.
     server : ParameterServer or DaskParameterServer, optional
-        Keep training on an existing server (then `update_rule` and the
-        server options are not used).
-    address, client, security, n_dask_workers
-        Dask only: a scheduler address to connect to (with an optional
-        ``distributed.security.Security``), or a Client to use; otherwise a
-        loopback ``LocalCluster`` of `n_dask_workers` processes (default:
-        one per worker plus `shard_processes`) is started and closed. A
-        script that starts it calls ``train`` under ``if __name__ ==
-        "__main__":`` (the worker processes import the script); without the
-        guard, ``train`` raises a RuntimeError that says so.
-    shard_processes : int
-        Dask only: how many worker processes hold the shards and run no
-        trainer (default 1: a process's event loop answers other trainers
-        only between its own trainer's compiled calls, which hold the GIL).
-        The first `shard_processes` workers (by address) hold them; the
-        trainers run on the others, or on all workers where there are not
-        enough others. 0 places the shards on every worker, beside the
-        trainers.
+        Keep training on an existing server (its rule and options are used).
+    checkpoint : Checkpoint, optional
+        Resume from a file, save to one at the end and every so often.
+    dask : DaskOptions, optional
+        Dask only: the cluster (an address, a client, or a loopback one
+        started and closed here) and where the shards live. A script that
+        starts a cluster calls ``train`` under ``if __name__ ==
+        "__main__":``, or ``train`` raises a RuntimeError that says so.
 
     Returns
     -------
@@ -247,19 +249,10 @@ def train(
             raise ValueError(f"n_workers={n_workers} but {len(per)} batch lists")
     if not per:
         raise ValueError("no workers: worker_batches is empty")
-    if isinstance(shard_processes, bool) or not isinstance(shard_processes, int) \
-            or shard_processes < 0:
-        raise ValueError(f"shard_processes must be an integer >= 0, got {shard_processes!r}")
-    if checkpoint_every is not None:
-        if checkpoint_to is None:
-            raise ValueError("checkpoint_every= needs checkpoint_to= (the file to save to)")
-        if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, (int, float)) \
-                or not checkpoint_every > 0:
-            raise ValueError(f"checkpoint_every must be a number of seconds > 0, got "
-                             f"{checkpoint_every!r}")
+    saving, cluster = Checkpoint.of(checkpoint), DaskOptions.of(dask)
     options = ServerOptions(mode=mode, merge=merge, staleness_scale=staleness_scale,
                             round_timeout=round_timeout, on_timeout=on_timeout,
-                            compile_mode=compile_mode, keep_log=keep_log,
+                            compile_mode=compile_mode, keep_log=keep_log, profile=profile,
                             wait_timeout=wait_timeout, model_average=model_average, ema=ema)
     run: dict[str, Any] = dict(
         accumulate=accumulate, model_kwargs=model_kwargs, compile_mode=compile_mode,
@@ -270,46 +263,47 @@ def train(
         if server is None:
             server = ParameterServer(_initial_params(build_model, model_kwargs), update_rule,
                                      rule_kwargs, shards=shards, options=options)
-        if resume_from is not None:
-            server.load(resume_from)
+        if saving.resume_from is not None:
+            server.load(saving.resume_from)
         batches = [b() if callable(b) else b for b in per]
-        saver = _Saver(server, checkpoint_to, checkpoint_every)
+        saver = _Saver(server, saving.to, saving.every)
         reports, history = run_local(server, build_model, batches,
-                                     checkpoint=saver if checkpoint_every else None, **run)
-        return _finish(server, reports, history, "local", checkpoint_to, keep=server,
+                                     checkpoint=saver if saving.every else None, **run)
+        return _finish(server, reports, history, "local", saving.to, keep=server,
                        saves=saver.count)
 
     from .dask import DaskParameterServer, connect, local_cluster, run_dask
     from .dask.cluster import worker_addresses
 
     with contextlib.ExitStack() as stack:
+        client = cluster.client
         if client is None:
-            if address is not None:
-                client = stack.enter_context(connect(address, security=security))
+            if cluster.address is not None:
+                client = stack.enter_context(connect(cluster.address, security=cluster.security))
             else:
-                n = n_dask_workers or len(per) + shard_processes
-                client = stack.enter_context(local_cluster(n, security=security))
+                n = cluster.n_dask_workers or len(per) + cluster.shard_processes
+                client = stack.enter_context(local_cluster(n, security=cluster.security))
                 client.wait_for_workers(n, timeout=wait_timeout)
         if server is None:
             addresses = worker_addresses(client)
             server = DaskParameterServer(client, _initial_params(build_model, model_kwargs),
                                          update_rule, rule_kwargs, shards=shards,
-                                         workers=addresses[:shard_processes] or None,
+                                         workers=addresses[:cluster.shard_processes] or None,
                                          options=options)
             stack.callback(server.close)
-        if resume_from is not None:
-            server.load(resume_from)
-        saver = _Saver(server, checkpoint_to, checkpoint_every)
+        if saving.resume_from is not None:
+            server.load(saving.resume_from)
+        saver = _Saver(server, saving.to, saving.every)
         lost: list[dict[str, Any]] = []
         try:
             reports, history = run_dask(server, client, build_model, per, lost=lost,
-                                        checkpoint=saver if checkpoint_every else None, **run)
+                                        checkpoint=saver if saving.every else None, **run)
         except Exception as exc:
             cause = exc if isinstance(exc, ShardLostError) else exc.__cause__
             if isinstance(cause, ShardLostError):
                 raise saver.explain(cause) from exc
             raise
-        return _finish(server, reports, history, "dask", checkpoint_to, keep=None, lost=lost,
+        return _finish(server, reports, history, "dask", saving.to, keep=None, lost=lost,
                        saves=saver.count)
 
 
@@ -341,8 +335,8 @@ class _Saver:
         return ShardLostError(
             f"{exc} The last checkpoint, {self.path}, holds shard versions {self.versions} "
             f"(saved {time.monotonic() - self.saved_at:.1f} s before this error): the steps "
-            f"after those are lost; train(..., resume_from={str(self.path)!r}) goes on from "
-            "there.")
+            f"after those are lost; train(..., checkpoint=Checkpoint(resume_from="
+            f"{str(self.path)!r})) goes on from there.")
 
 
 def _finish(server, reports, history, backend, checkpoint_to, keep, lost=(), saves=0):

@@ -1,192 +1,22 @@
-"""Input checks, the server's options and the exceptions of the parameter server.
+"""The parameter server's input checks: parameters, shard plans, pushes, learning rates.
 
 Everything here is plain Python and numpy: no PyTensor graph is built.
 """
 
-import dataclasses
 import inspect
 import math
 import numbers
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Variable
 
-from .._checks import check_number
+from .errors import PushRejected
+from .options import _number
 
-# The public names, re-exported by lasagne_accum.distributed (MODES, MERGES: by name).
-__all__ = [
-    "ServerOptions",
-    "PushRejected",
-    "UnknownWorkerError",
-    "StalePushError",
-    "RoundFailedError",
-    "RoundTimeoutError",
-    "ServerTimeoutError",
-    "ShardLostError",
-    "ServerClosedError",
-]
-
-MODES = ("sync", "async")
-MERGES = ("mean", "sum")
 _FLOAT_DTYPES = ("float16", "float32", "float64")
-
-
-class PushRejected(ValueError):
-    """A push (or pull) with bad input; the server's state was not changed."""
-
-
-class UnknownWorkerError(PushRejected):
-    """A push or pull from a worker id that is not registered (or was dropped)."""
-
-
-class StalePushError(PushRejected):
-    """Sync mode: a push computed from a version other than the open round's."""
-
-
-class RoundFailedError(RuntimeError):
-    """A sync round (or an async push) could not be applied; nothing of it was applied.
-
-    Raised to every pusher of the round. The server keeps serving: the same
-    pushes (same ``(worker, seq)``) may be sent again.
-    """
-
-
-class RoundTimeoutError(RoundFailedError):
-    """Sync mode, ``on_timeout="fail"``: a round timed out and was discarded."""
-
-
-class ServerTimeoutError(TimeoutError):
-    """A blocking call waited longer than the server's ``wait_timeout``; the message says for what."""
-
-
-class ShardLostError(RuntimeError):
-    """A process holding shards did not answer: their state since the last checkpoint is lost."""
-
-
-class ServerClosedError(RuntimeError):
-    """A call on a server after its ``close()`` (a Dask server's shards are released then)."""
-
-
-def _number(value, name, what, error=ValueError, **bounds):
-    """:func:`~lasagne_accum._checks.check_number`, its refusal re-raised as `error`.
-
-    The message says what the number is (`what`), after the checker's own.
-    """
-    try:
-        return check_number(value, name, **bounds)
-    except (TypeError, ValueError) as exc:
-        raise error(f"{exc} ({what})") from None
-
-
-def _check_seconds(value, name, allow_none=True):
-    if value is None and allow_none:
-        return None
-    what = "a number of seconds" + (", or None" if allow_none else "")
-    return _number(value, name, what, low=0, low_open=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerOptions:
-    """The options of a parameter server and its shards, checked once.
-
-    Attributes
-    ----------
-    mode : {"sync", "async"}
-        Sync: a round closes when every live worker has pushed and applies
-        their merged gradient once. Async: every push is applied on arrival.
-    merge : {"mean", "sum"}
-        Sync mode: the mean weighted by each push's examples (exactly the
-        large-batch gradient) or the plain sum.
-    staleness_scale : bool
-        Async mode: multiply each step by ``1 / max(1, staleness)``.
-    round_timeout : float or None
-        Sync mode: seconds after a round's first push before it stops waiting
-        for missing workers.
-    on_timeout : {"close", "fail"}
-        "close": apply the pushes received and drop the missing workers;
-        "fail": discard the round, drop them, raise :class:`RoundTimeoutError`.
-    compile_mode : str or None
-        PyTensor mode of the apply functions (default: see
-        :func:`lasagne_accum.default_modes`).
-    check_finite : bool
-        Reject gradients with NaN or inf.
-    keep_log : bool
-        Keep the order of applied pushes per shard (``stats()["shards"][s]["log"]``).
-    wait_timeout : float
-        The longest any blocking call (push, pull, register, a sync round's
-        wait, a Dask gather) waits before :class:`ServerTimeoutError` names
-        what it waited for.
-    model_average, ema : dict or None
-        Keyword arguments of :class:`lasagne_accum.ModelAverage` and
-        :class:`lasagne_accum.ExponentialMovingAverage`: each shard keeps the
-        average of its parameters over its optimizer steps.
-
-    Examples
-    --------
-    >>> ServerOptions(mode="async").merge
-    'mean'
-    >>> ServerOptions(mode="sync", staleness_scale=True)
-    Traceback (most recent call last):
-    ...
-    ValueError: staleness_scale=True only applies to mode='async' (a sync push is never stale)
-    """
-
-    mode: str = "sync"
-    merge: str = "mean"
-    staleness_scale: bool = False
-    round_timeout: float | None = None
-    on_timeout: str = "close"
-    compile_mode: str | None = None
-    check_finite: bool = True
-    keep_log: bool = False
-    wait_timeout: float = 600.0
-    model_average: Any = None
-    ema: Any = None
-
-    def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be 'sync' or 'async', got {self.mode!r}")
-        if self.merge not in MERGES:
-            raise ValueError(f"merge must be 'mean' or 'sum', got {self.merge!r}")
-        if self.staleness_scale and self.mode != "async":
-            raise ValueError("staleness_scale=True only applies to mode='async' "
-                             "(a sync push is never stale)")
-        object.__setattr__(self, "staleness_scale", bool(self.staleness_scale))
-        object.__setattr__(self, "round_timeout",
-                           _check_seconds(self.round_timeout, "round_timeout"))
-        object.__setattr__(self, "wait_timeout",
-                           _check_seconds(self.wait_timeout, "wait_timeout", allow_none=False))
-        if self.on_timeout not in ("close", "fail"):
-            raise ValueError(f"on_timeout must be 'close' or 'fail', got {self.on_timeout!r}")
-        for label in ("model_average", "ema"):
-            kwargs = getattr(self, label)
-            if kwargs is None:
-                continue
-            if not isinstance(kwargs, Mapping):
-                raise TypeError(f"{label} must be a dict of keyword arguments, got "
-                                f"{type(kwargs).__name__}")
-            taken = {"params", "updates", "is_step", "host_mode"} & set(kwargs)
-            if taken:
-                raise TypeError(f"{label}: {', '.join(sorted(taken))} are the server's to "
-                                "set (each shard averages its own parameters at each of "
-                                "its steps); leave them out")
-            object.__setattr__(self, label, dict(kwargs))
-        if self.compile_mode is not None and not isinstance(self.compile_mode, str):
-            raise TypeError(f"compile_mode must be a PyTensor mode name or None, got "
-                            f"{self.compile_mode!r}")
-
-    @classmethod
-    def of(cls, options=None, **kwargs):
-        """`options` (a :class:`ServerOptions` or None) with `kwargs` replaced."""
-        if options is None:
-            return cls(**kwargs)
-        if not isinstance(options, cls):
-            raise TypeError(f"options must be a ServerOptions, got {type(options).__name__}")
-        return dataclasses.replace(options, **kwargs) if kwargs else options
 
 
 # ------------------------------------------------------------------ params and shards

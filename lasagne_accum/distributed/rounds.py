@@ -13,9 +13,9 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .checks import PushRejected, RoundFailedError, RoundTimeoutError, StalePushError, \
+from .errors import PushRejected, RoundFailedError, RoundTimeoutError, StalePushError, \
     UnknownWorkerError
-from .merge import merge
+from .reduction import reduce_grads
 
 __all__ = ["Rounds", "Seen"]
 
@@ -89,7 +89,7 @@ class Rounds:
         self.staleness = {}
         self.log = []
         self.listeners = []          # callables(round id), called when a round ends
-        self._scratch = {}           # param index -> the merge's buffers, kept between rounds
+        self._scratch = {}           # param index -> the reduction's buffers, kept between rounds
 
     @property
     def where(self):
@@ -206,15 +206,15 @@ class Rounds:
     def merged(self):
         """``(order, total weight, arrays)`` of the open round: the weighted mean or the sum.
 
-        The arrays are valid until the next call (the merge reuses its buffers).
+        The arrays are valid until the next call (the reduction reuses its buffers).
         """
         order = sorted(self.pending, key=str)
         total = sum(self.pending[w][2] for w in order)
         mean = self.options.merge == "mean"
         weights = [self.pending[w][2] for w in order]
         # in float64, in a fixed order: the same bits whatever the arrival order
-        out = [merge([self.pending[w][1][i] for w in order], weights, total, dtype, mean,
-                     scratch=self._scratch.setdefault(i, {}))
+        out = [reduce_grads([self.pending[w][1][i] for w in order], weights, total, dtype,
+                            mean, scratch=self._scratch.setdefault(i, {}))
                for i, (_, dtype) in enumerate(self.specs.values())]
         return order, total, out
 

@@ -14,8 +14,10 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..checkpoint import read_arrays, save_arrays
-from .checks import PushRejected, ServerClosedError, ServerOptions, check_grads, check_seq, \
-    check_version, check_weight, check_worker_id, named_params, param_specs, plan_shards
+from .checks import check_grads, check_seq, check_version, check_weight, check_worker_id, \
+    named_params, param_specs, plan_shards
+from .errors import PushRejected, ServerClosedError
+from .options import ServerOptions
 from .shard import Shard, push_atomic
 
 if TYPE_CHECKING:
@@ -378,7 +380,7 @@ class ParameterServer(BaseServer):
     **option_kwargs
         ``mode``, ``merge``, ``staleness_scale``, ``round_timeout``,
         ``on_timeout``, ``compile_mode``, ``check_finite``, ``keep_log``,
-        ``wait_timeout``: see :class:`~lasagne_accum.distributed.checks.ServerOptions`.
+        ``wait_timeout``: see :class:`~lasagne_accum.distributed.options.ServerOptions`.
 
     Examples
     --------

@@ -26,10 +26,12 @@ from ..checkpoint import collect_state
 from ..merge import merge_updates
 from ..model_average import ExponentialMovingAverage, ModelAverage
 from .._checks import check_rule_updates
-from . import merge
-from .checks import PushRejected, ServerOptions, ServerTimeoutError, check_grads, \
-    check_seq, check_version, check_weight, check_worker_id, learning_rate_kind, \
-    named_params, param_specs
+from ..training import warm_up_calls
+from . import reduction
+from .checks import check_grads, check_seq, check_version, check_weight, check_worker_id, \
+    learning_rate_kind, named_params, param_specs
+from .errors import PushRejected, ServerTimeoutError
+from .options import ServerOptions
 from .compiling import compile_function
 from .rounds import Rounds
 
@@ -96,16 +98,8 @@ class ApplyFunction:
         self.updates = OrderedDict(updates)
         self._fn = compile_function(grads + [factor], [], self.updates, compile_mode,
                                     role="apply")
-        self._warm_up()
-
-    def _warm_up(self):
-        """Call the function once (JIT backends compile on the first call), then undo it."""
-        saved = [(var, var.get_value(borrow=False)) for var in self.updates]
-        try:
-            self._fn(*[np.zeros(shape, dtype) for shape, dtype in self.specs.values()], 0.0)
-        finally:
-            for var, value in saved:
-                var.set_value(value)
+        zeros = [np.zeros(shape, dtype) for shape, dtype in self.specs.values()]
+        warm_up_calls(self.updates, lambda: self._fn(*zeros, 0.0))
 
     def factor(self, step, scale):
         """The factor input of step number `step` (0-based); ValueError for a bad schedule value."""
@@ -159,7 +153,7 @@ class Shard:
         evaluated at every step of the shard (0 for the first).
     options : ServerOptions, optional
     **option_kwargs
-        Fields of :class:`~lasagne_accum.distributed.checks.ServerOptions`.
+        Fields of :class:`~lasagne_accum.distributed.options.ServerOptions`.
     """
 
     def __init__(
@@ -187,7 +181,7 @@ class Shard:
         self._cond = threading.Condition(self.lock)
         self.book = Rounds(name, self.specs, self.options, self.fn)
         if self.options.mode == "sync":      # compiled now, not when the first round closes
-            merge.warm_up(dtype for _, dtype in self.specs.values())
+            reduction.warm_up(dtype for _, dtype in self.specs.values())
         self.book.listeners.append(lambda rid: self._cond.notify_all())
 
     # ---------------------------------------------------------------- workers

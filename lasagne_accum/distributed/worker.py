@@ -148,10 +148,10 @@ class Worker:
         ``compute_s`` (seconds in the compiled gradient and read functions),
         ``server_s`` (seconds spent in push calls: transfer, waiting for the
         round, applying), ``push_s`` (each push call's seconds) and, for a
-        server that sends messages, ``parts``: the push calls' seconds
-        encoding and decoding here (``serialise``), in the shard processes
-        (``shard``) and waiting there for sync rounds (``round``); the rest
-        is the transport.
+        Dask server with the ``profile`` option, ``parts``: the push calls'
+        seconds preparing the requests here (``serialise``), in the shard
+        processes (``shard``) and waiting there for sync rounds (``round``);
+        the rest is the transport.
         The worker unregisters at the end, also when it fails.
         """
         report: dict[str, Any] = dict(

@@ -3,14 +3,12 @@
 The package, by job:
 
 * :mod:`~lasagne_accum.distributed.dask.actor`: the shard process's side, the
-  shards of one worker as one Dask actor (:class:`ShardActor`) and how a
-  request is served;
-* :mod:`~lasagne_accum.distributed.dask.listener`: the direct links'
-  listener in each shard process, and what a link may cost it;
-* :mod:`~lasagne_accum.distributed.dask.wire`: the bytes of a request and a
-  reply, and the shape a request must have;
-* :mod:`~lasagne_accum.distributed.dask.transport`: the caller's side, the
-  two transports behind one interface (send, receive, call);
+  shards of one worker as one Dask actor (:class:`ShardActor`), the comm
+  handler and how a request is served;
+* :mod:`~lasagne_accum.distributed.dask.schema`: what a request may hold,
+  checked before any of it is used;
+* :mod:`~lasagne_accum.distributed.dask.transport`: the caller's side,
+  requests over Dask's pooled comms from one event-loop thread per process;
 * :mod:`~lasagne_accum.distributed.dask.server`: :class:`DaskParameterServer`;
 * :mod:`~lasagne_accum.distributed.dask.cluster`: :func:`local_cluster`,
   :func:`connect`;
@@ -22,37 +20,25 @@ shards of one worker live in one Dask actor (``client.submit(ShardActor,
 Updates of shards in different processes run in parallel; each shard's
 updates are serialized by its lock. Where the shards live is a choice:
 :func:`~lasagne_accum.distributed.train` puts them in processes of their own
-(``shard_processes=1``), beside none of the trainers, because a process's
-event loop cannot answer while a trainer's compiled PyTensor call holds that
-process's GIL; ``shard_processes=0`` puts them beside the trainers.
+(``DaskOptions(shard_processes=1)``), beside none of the trainers, because a
+process's event loop cannot answer while a trainer's compiled PyTensor call
+holds that process's GIL; ``shard_processes=0`` puts them beside the trainers.
 
-Calls do not go through the actor machinery: a request and its reply are one
-body each (arrays sent from where they lie, received as views), over one
-persisted link per (calling thread, shard process), in the caller's own
-thread. Two transports carry them (``transport=``):
-
-* ``"direct"`` (the default): a blocking socket to a listener of the
-  library's own, which each shard process opens beside its Dask worker (same
-  host, a random port, the cluster's TLS); a link is refused unless it shows
-  the server's token.
-* ``"dask"``: a Dask comm to the comm handler ``"lasagne_accum_shards"`` that
-  each shard process installs on its ``distributed.Worker``: no other port
-  (for networks that only let Dask's own through). A server whose workers'
-  Dask addresses are not all TCP or TLS uses it too, and so does one whose
-  shard processes cannot all open their socket (a ``RuntimeWarning`` says
-  why: a contact address that is not the machine's own, behind a NAT, say).
-
-Both serve the same requests, decoded and checked the same way before use
-(:mod:`~lasagne_accum.distributed.dask.wire`). A push to shards in several
-processes goes to all of them at once; the shards of the caller's own
-process are called directly, without a message. It is checked on all of
-them before it is applied anywhere (one extra message), unless every shard
-must take the same decision on it: versions this client has already seen
-from every shard, and in sync mode no ``round_timeout``. Waiting for a sync
-round is event-driven: the shard wakes the waiting coroutine (remote callers)
-or thread (callers in its own process) when the round ends. Every call is
+Calls do not go through the actor machinery: a request is one Dask message to
+the comm handler ``"lasagne_accum_shards"`` that each shard process installs
+on its ``distributed.Worker``, over a pooled Dask comm (Dask's addresses, its
+TLS, no port of ours), with numpy arrays as Dask's out-of-band frames. The
+shard process checks what Dask decoded (names, numbers and numeric arrays of
+the shards' shapes, nothing else) before using any of it. A push to shards in
+several processes goes to all of them at once; the shards of the caller's own
+process are called directly, without a message. It is checked on all of them
+before it is applied anywhere (one extra message), unless every shard must
+take the same decision on it: versions this client has already seen from
+every shard, and in sync mode no ``round_timeout``. Waiting for a sync round
+is event-driven: the shard wakes the waiting coroutine (remote callers) or
+thread (callers in its own process) when the round ends. Every call is
 bounded by the server's ``wait_timeout``: a lost process becomes
-:class:`~lasagne_accum.distributed.checks.ShardLostError`.
+:class:`~lasagne_accum.distributed.ShardLostError`.
 
 Without an address, :func:`local_cluster` starts a ``LocalCluster`` of
 processes bound to 127.0.0.1 (scheduler, workers, nannies and the
@@ -60,7 +46,7 @@ scheduler's HTTP endpoint all on loopback, random ports, no dashboard) and
 closes it on exit; called from a script's top level without ``if __name__ ==
 "__main__":`` it raises at once, saying to add the guard. With an address,
 the client connects to your scheduler; pass
-``security=distributed.security.Security(...)`` to use TLS (the shard links
+``security=distributed.security.Security(...)`` to use TLS (the shard comms
 use the same security).
 
 Importing this package does not import ``distributed``; the functions that

@@ -1,99 +1,79 @@
 """The shard process's side: the shards as one Dask actor, and how a request is served.
 
-A request reaches a shard process over a direct link
-(:mod:`~lasagne_accum.distributed.dask.listener`) or a Dask comm (the comm
-handler :data:`HANDLER`); both hand its body to :func:`serve`, which decodes
-it (:func:`~lasagne_accum.distributed.dask.wire.decode_request`), checks its
-shape (:func:`~lasagne_accum.distributed.dask.wire.check_request`), runs it on
-the event loop of the process's Dask worker and returns the reply's body. A
-reply is ``(ok, value or exception, shard seconds, round seconds)``: the
-seconds it spent in the shard process, of which those waiting for a sync
-round to close.
+A request reaches a shard process as a Dask message to the comm handler
+:data:`HANDLER`, which :func:`install_handler` puts on the process's
+``distributed.Worker``. :func:`serve` checks what Dask decoded
+(:func:`~lasagne_accum.distributed.dask.schema.check_request`), runs it on the
+worker's event loop and returns the reply, ``(ok, value or exception)``, and
+when the caller profiles, the seconds it spent in the shard process and those
+of them waiting for a sync round to close. The reply goes back as a
+``ToPickle``: its arrays are out-of-band frames.
 """
 
 import asyncio
 import os
+import pickle
 import time
 
-from ..checks import PushRejected, RoundFailedError, ServerTimeoutError
+from ..errors import PushRejected, RoundFailedError, ServerTimeoutError
 from ..shard import Shard, push_atomic
-from . import listener, wire
 from .cluster import require_distributed
+from .schema import check_request
 
 __all__ = ["ShardActor", "HANDLER", "Gone", "serve", "install_handler"]
 
 HANDLER = "lasagne_accum_shards"      # the comm handler's name on the shard processes
-FRAME_MARGIN = 4 << 20                # bytes a request may hold besides the shards' state
 
 
 class Gone(Exception):
     """The shard process answered, but holds no shards under that key (released)."""
 
 
-def _listen(dask_worker):
-    """Run by ``client.run`` on a shard process: start its direct listener.
-
-    ``(host, port)``; None where the worker's address is not TCP or TLS; the
-    error as a string where the socket cannot be opened (an address to bind
-    that is not this machine's, behind a NAT, say).
-    """
-    try:
-        return listener.listen(dask_worker, lambda key, body: serve(dask_worker, key, body))
-    except OSError as exc:
-        return f"{type(exc).__name__}: {exc}"
-
-
 def install_handler(worker):
     """Serve :data:`HANDLER` on `worker` (a ``distributed.Worker``); idempotent."""
     if HANDLER in worker.handlers:
         return
+    to_pickle = require_distributed().protocol.ToPickle
 
-    async def lasagne_accum_shards(key=None, payload=None):
-        return wire.join(await serve(worker, key, payload))
+    async def lasagne_accum_shards(key=None, request=None, profile=False):
+        return to_pickle(await serve(worker, key, request, profile is True))
 
     worker.handlers[HANDLER] = lasagne_accum_shards
 
 
-def _reply(out):
-    try:
-        return wire.encode_reply(out)
-    except Exception as exc:          # an unpicklable result or exception: say what it was
-        return wire.encode_reply((False, RuntimeError(
-            f"unpicklable reply ({type(exc).__name__}: {exc})"), 0.0, 0.0))
-
-
-async def serve(worker, key, body):
-    """Answer one request for the shards under actor `key`: the reply's body (buffers).
+async def serve(worker, key, request, profile=False):
+    """Answer one request for the shards under actor `key`: the reply tuple.
 
     Parameters
     ----------
     worker : distributed.Worker
     key : str
-        The actor's key (from the link's token, or the comm message).
-    body : bytes-like
-        The request (:func:`~lasagne_accum.distributed.dask.wire.encode_request`).
+        The actor's key.
+    request : object
+        The request as Dask decoded it (checked here before any use).
+    profile : bool
+        Add the seconds spent here and those waiting for rounds to the reply.
     """
-    start = time.perf_counter()
-    timing = {"round": 0.0}
+    start = time.perf_counter() if profile else None
+    timing = {"round": 0.0} if profile else None
     try:
         actor = worker.state.actors.get(key) if type(key) is str else None
         if actor is None:
             raise Gone(f"no shards under that key on {worker.address} (released, or the "
                        "process was restarted)")
-        if body is None or memoryview(body).nbytes > actor.max_request:
-            raise wire.BadRequest(f"a request larger than {actor.max_request} bytes, the "
-                                  "largest these shards take")
-        method, args = wire.check_request(wire.decode_request(body), actor.specs)
-        del body
+        method, args = check_request(request, actor.specs)
+        del request
         out = (True, await actor.serve(method, args, timing))
     except Exception as exc:
+        try:
+            pickle.dumps(exc)
+        except Exception as why:      # an unpicklable exception: say what it was
+            exc = RuntimeError(f"{type(exc).__name__}: {exc} (unpicklable: {why})")
         out = (False, exc)
+    if not profile:
+        return out
     elapsed = time.perf_counter() - start
-    return _reply(out + (elapsed - timing["round"], timing["round"]))
-
-
-def _state_bytes(shard):
-    return sum(v.get_value(borrow=True).nbytes for v in shard.fn.state_variables().values())
+    return out + (elapsed - timing["round"], timing["round"])
 
 
 class ShardActor:
@@ -114,13 +94,9 @@ class ShardActor:
     specs : dict
         ``{shard name: {param name: (shape, dtype)}}``, what requests are
         checked against.
-    max_request : int
-        The largest request body these shards take: their whole state (a
-        ``load``; a push is smaller) plus :data:`FRAME_MARGIN`. A direct link
-        that announces a larger frame is closed before any of it is read.
     """
 
-    def __init__(self, shard_specs, options, key=None, token=None):
+    def __init__(self, shard_specs, options):
         self.options = options
         self._shards = {}
         for name, params, update_rule, rule_kwargs in shard_specs:
@@ -128,7 +104,6 @@ class ShardActor:
             shard.book.listeners.append(lambda rid, name=name: self._round_ended(name))
             self._shards[name] = shard
         self.specs = {name: dict(shard.specs) for name, shard in self._shards.items()}
-        self.max_request = sum(_state_bytes(s) for s in self._shards.values()) + FRAME_MARGIN
         self._loop = None
         self._events = {name: None for name in self._shards}
         try:
@@ -137,8 +112,6 @@ class ShardActor:
             return
         self._loop = worker.loop.asyncio_loop
         install_handler(worker)
-        if token is not None:
-            listener.admit(worker, token, key, self.max_request)
 
     def pid(self):
         return os.getpid()

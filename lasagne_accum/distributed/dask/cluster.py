@@ -122,7 +122,8 @@ def _check_main_guard():
             "top-level code under a main guard:\n\n"
             "    if __name__ == \"__main__\":\n"
             "        ...  # the call to train() or local_cluster()\n\n"
-            "(or pass address= or client= to use a cluster started elsewhere)")
+            "(or use a cluster started elsewhere: train(..., dask=DaskOptions(address=...)) "
+            "or DaskOptions(client=...))")
 
 
 @contextlib.contextmanager

@@ -5,7 +5,6 @@ import uuid
 
 from ..worker import Worker, raise_worker_errors, worker_lists
 from .cluster import require_distributed, worker_addresses
-from .transport import _links
 
 __all__ = ["run_dask"]
 
@@ -37,10 +36,7 @@ def _worker_task(server, worker_id, build_model, batches, accumulate, model_kwar
         server.unregister(worker_id)      # let sync rounds go on without it
         raise
     start = None if barrier is None else (lambda: barrier(worker_id))
-    try:
-        return worker.run(batches, start=start)
-    finally:
-        _links.drop(server._link_keys())
+    return worker.run(batches, start=start)
 
 
 def _trainer_addresses(client, server, n):

@@ -1,23 +1,19 @@
 """The parameter server whose shards live in Dask worker processes."""
 
-import os
 import time
 import uuid
-import warnings
 
 import numpy as np
 
-from ..checks import ServerOptions, named_params
+from ..checks import named_params
+from ..options import ServerOptions
 from ..server import BaseServer
-from . import actor as shard_process
-from . import listener
+from . import transport
 from .actor import ShardActor
 from .cluster import require_distributed, worker_addresses
-from .transport import GRACE, CommTransport, DirectTransport, _links, helper_thread
+from .transport import GRACE
 
 __all__ = ["DaskParameterServer", "place"]
-
-TRANSPORTS = ("direct", "dask")
 
 
 def place(specs, plan, addresses):
@@ -54,23 +50,16 @@ class DaskParameterServer(BaseServer):
     workers : list of str, optional
         Worker addresses to place shards on; default all. Give the
         addresses of processes that run no trainer to keep the shards out of
-        the trainers' processes (see :func:`~lasagne_accum.distributed.train`'s
-        ``shard_processes``).
-    transport : {"direct", "dask"}
-        How calls reach the shards: ``"direct"`` (the default), a socket that
-        each shard process opens beside its Dask worker (same host, a random
-        port, the cluster's TLS, links checked against this server's random
-        token); ``"dask"``, a Dask comm to the comm handler
-        ``lasagne_accum_shards`` (no other port, a little slower). See
-        :mod:`~lasagne_accum.distributed.dask`. ``train`` builds its server
-        with the default; pass ``server=`` to choose.
+        the trainers' processes (see
+        :class:`~lasagne_accum.distributed.DaskOptions`' ``shard_processes``).
 
-    Shards are placed by size on the workers (``placement``: largest first,
-    each to the least loaded worker); the shards of one worker live in one
-    actor and answer one message per process and call. The object pickles to
-    its actor keys, addresses and token, so tasks can take it as an argument
-    and push directly to the shards (pass it only through your cluster: the
-    token admits its holder). :meth:`close` releases the actors.
+    Calls reach the shards over Dask's own comms, with the cluster's security
+    (:mod:`~lasagne_accum.distributed.dask.transport`). Shards are placed by
+    size on the workers (``placement``: largest first, each to the least
+    loaded worker); the shards of one worker live in one actor and answer one
+    message per process and call. The object pickles to its actor keys and
+    addresses, so tasks can take it as an argument and push directly to the
+    shards. :meth:`close` releases the actors.
 
     Examples
     --------
@@ -90,9 +79,7 @@ class DaskParameterServer(BaseServer):
     _copy_grads = False       # a push is sent (or copied for this process's shards) at once
 
     def __init__(self, client, params, update_rule, rule_kwargs=None, *, shards=None,
-                 workers=None, transport="direct", options=None, **option_kwargs):
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be 'direct' or 'dask', not {transport!r}")
+                 workers=None, options=None, **option_kwargs):
         options = ServerOptions.of(options, **option_kwargs)
         named = named_params(params)
         arrays = {n: np.array(p.get_value() if hasattr(p, "get_value") else p, copy=True)
@@ -108,14 +95,12 @@ class DaskParameterServer(BaseServer):
         self._client_args = dict(client.connection_args)
         tag = uuid.uuid4().hex[:8]
         self._keys = [f"lasagne-shards-{g}-{tag}" for g in range(len(self.hosts))]
-        self._transport = self._open_transport(client, transport)
-        token = getattr(self._transport, "token", None)
         self._futures = []            # they hold the actors (calls go by key, not by handle)
         for address, key in zip(self.hosts, self._keys):
             specs = [(s, {n: arrays[n] for n in self.plan[s]}, update_rule, rule_kwargs)
                      for s in self.shard_names if self.placement[s] == address]
             self._futures.append(client.submit(
-                ShardActor, specs, options, key, token, actor=True, workers=[address],
+                ShardActor, specs, options, actor=True, workers=[address],
                 allow_other_workers=False, pure=False, key=key))
         try:
             for f in self._futures:   # the actors have started
@@ -123,27 +108,6 @@ class DaskParameterServer(BaseServer):
         except BaseException:
             self.close()
             raise
-
-    def _open_transport(self, client, transport):
-        """The transport: direct links where every shard process listens, else Dask comms."""
-        if transport == "direct":
-            where = client.run(shard_process._listen, workers=self.hosts,
-                               callback_timeout=self.options.wait_timeout + GRACE)
-            if all(isinstance(where[a], (tuple, list)) for a in self.hosts):
-                return DirectTransport(self, [where[a] for a in self.hosts],
-                                       os.urandom(listener.TOKEN_BYTES))
-            failed = {a: w for a, w in where.items() if isinstance(w, str)}
-            if failed:                # not TCP or TLS is no surprise; a socket refused is
-                warnings.warn(
-                    "direct links unavailable, using Dask comms (transport='dask'): "
-                    + "; ".join(f"{a}: {w}" for a, w in failed.items()), RuntimeWarning,
-                    stacklevel=3)
-        return CommTransport(self, self._keys)
-
-    @property
-    def transport(self):
-        """``"direct"`` or ``"dask"``: how calls reach the shards."""
-        return self._transport.name
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -164,9 +128,6 @@ class DaskParameterServer(BaseServer):
             return distributed.get_worker().connection_args
         except ValueError:
             return self._client_args or {}
-
-    def _link_keys(self):
-        return self._transport.keys()
 
     def _groups(self, indices, args_list):
         groups = {}
@@ -208,16 +169,18 @@ class DaskParameterServer(BaseServer):
                         out[g] = exc
             local_s = time.perf_counter() - start
 
-        _links.timing = dict(serialise=0.0, shard=0.0, round=0.0)
-        out.update(self._transport.call({g: job for g, job in jobs.items() if here[g] is None},
-                                        what, extra, between=local))
-        _links.timing["shard"] = max(_links.timing["shard"], local_s)
+        out.update(transport.call(self, {g: job for g, job in jobs.items() if here[g] is None},
+                                  what, extra, between=local))
+        timing = transport.last_timing()
+        if timing is not None:
+            timing["shard"] = max(timing["shard"], local_s)
         return out
 
     def last_timing(self):
-        """``{"serialise", "shard", "round"}`` seconds of this thread's last call (see
-        :meth:`~lasagne_accum.distributed.dask.transport.Transport.call`)."""
-        return _links.timing
+        """``{"serialise", "shard", "round"}`` seconds of this thread's last call, with the
+        ``profile`` option (see :func:`~lasagne_accum.distributed.dask.transport.call`);
+        else None."""
+        return transport.last_timing()
 
     # ------------------------------------------------------------ BaseServer's backend
 
@@ -272,7 +235,9 @@ class DaskParameterServer(BaseServer):
             for g, actor in here.items():
                 if actor is not None:
                     outs[g] = actor.wait_here(per[g], outs[g], pull)
-            _links.timing["round"] = max(_links.timing["round"], time.perf_counter() - start)
+            timing = transport.last_timing()
+            if timing is not None:
+                timing["round"] = max(timing["round"], time.perf_counter() - start)
         results, error = [None] * len(indices), None
         for g, items in groups.items():
             if isinstance(outs[g], Exception):
@@ -328,15 +293,6 @@ class DaskParameterServer(BaseServer):
         ``ShardLostError`` once the release has reached the workers.
         """
         self.closed = True
-        keys = self._link_keys() if hasattr(self, "_transport") else []
-        _links.drop(keys)
-        if self._transport_uses_helper():
-            helper_thread().submit(_links.drop, keys).result()
         for f in getattr(self, "_futures", []):
             f.release()
         self._futures = []
-
-    def _transport_uses_helper(self):
-        from . import transport
-
-        return transport._helper is not None

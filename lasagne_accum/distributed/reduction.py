@@ -1,4 +1,4 @@
-"""A sync round's merge: the weighted mean (or the sum) of the workers' gradients.
+"""A sync round's reduction: the weighted mean (or the sum) of the workers' gradients.
 
 The arithmetic is fixed, so that a round's result does not depend on how it
 is computed: in float64, the workers in the order given, starting from 0,
@@ -6,7 +6,7 @@ is computed: in float64, the workers in the order given, starting from 0,
 * mean: ``acc = 0; acc = acc + float64(g_k) * w_k for each k; result = acc / total``;
 * sum: ``acc = 0; acc = acc + float64(g_k) for each k; result = acc``;
 
-then rounded once to the parameter's dtype. :func:`merge` runs it as one
+then rounded once to the parameter's dtype. :func:`reduce_grads` runs it as one
 compiled loop per worker and one to finish (Numba, where it is installed, for
 float32 and float64 parameters), else with numpy (a few more passes over
 the arrays); both give the same bits.
@@ -14,7 +14,7 @@ the arrays); both give the same bits.
 
 import numpy as np
 
-__all__ = ["merge", "merge_numpy"]
+__all__ = ["reduce_grads", "reduce_grads_numpy"]
 
 _kernels = None
 
@@ -56,8 +56,8 @@ def _compiled():
     return _kernels
 
 
-def merge_numpy(arrays, weights, total, dtype, mean=True):
-    """:func:`merge` with numpy only (the reference the compiled loops must equal)."""
+def reduce_grads_numpy(arrays, weights, total, dtype, mean=True):
+    """:func:`reduce_grads` with numpy only (the reference the compiled loops must equal)."""
     acc = np.zeros(np.shape(arrays[0]), np.float64)
     term = np.empty_like(acc)
     for g, w in zip(arrays, weights):
@@ -71,13 +71,13 @@ def merge_numpy(arrays, weights, total, dtype, mean=True):
     return acc.astype(dtype)
 
 
-def merge(arrays, weights, total, dtype, mean=True, scratch=None):
-    """The merged gradient of one parameter (see the module's notes).
+def reduce_grads(arrays, weights, total, dtype, mean=True, scratch=None):
+    """The reduced gradient of one parameter (see the module's notes).
 
     Parameters
     ----------
     arrays : list of ndarray
-        Each worker's gradient, in merge order, all of one shape.
+        Each worker's gradient, in the round's order, all of one shape.
     weights : list of float
         Each worker's weight (used when `mean`).
     total : float
@@ -96,7 +96,7 @@ def merge(arrays, weights, total, dtype, mean=True, scratch=None):
     kernels = _compiled() if str(dtype) in ("float32", "float64") else False
     if not kernels or not all(isinstance(g, np.ndarray) and g.flags.c_contiguous
                               and g.dtype == np.dtype(dtype) for g in arrays):
-        return merge_numpy(arrays, weights, total, dtype, mean)
+        return reduce_grads_numpy(arrays, weights, total, dtype, mean)
     add_weighted, add, finish = kernels
     shape = np.shape(arrays[0])
     scratch = {} if scratch is None else scratch
@@ -117,5 +117,5 @@ def warm_up(dtypes):
     """Compile the loops for these parameter dtypes now (not in a round's critical path)."""
     for dtype in set(map(str, dtypes)):
         g = np.zeros(2, dtype)
-        merge([g, g], [1.0, 1.0], 2.0, dtype)
-        merge([g], [1.0], 1.0, dtype, mean=False)
+        reduce_grads([g, g], [1.0, 1.0], 2.0, dtype)
+        reduce_grads([g], [1.0], 1.0, dtype, mean=False)
