@@ -10,12 +10,15 @@ from typing import Any
 
 __all__ = ["ifelse", "IfElse", "LazyIfElse", "mutable_graph"]
 
-LazyIfElse: Any
 try:  # PyTensor 3.3 and later (LazyIfElse: an ifelse whose branches are inner graphs)
-    from pytensor.conditional.op import IfElse, LazyIfElse, ifelse
+    from pytensor.conditional.op import IfElse, ifelse
+    from pytensor.conditional.op import LazyIfElse as _LazyIfElse
 except ImportError:  # PyTensor 3.0
     from pytensor.ifelse import IfElse, ifelse
-    LazyIfElse = None
+    _LazyIfElse = None
+
+#: PyTensor's ``LazyIfElse`` op class, or None on a release without it.
+LazyIfElse: Any = _LazyIfElse
 
 
 def mutable_graph(fgraph: Any) -> Any:
