@@ -108,7 +108,22 @@ def machine():
             f"Python {platform.python_version()}")
 
 
-def run(topic):
+def pytensor_release(python):
+    """``"3.3"``: the PyTensor release (major.minor) that `python` imports."""
+    done = subprocess.run([python, "-c", "import pytensor; print(pytensor.__version__)"],
+                          capture_output=True, text=True, check=True)
+    return ".".join(done.stdout.strip().split(".")[:2])
+
+
+def store_key(topic, python):
+    """Where a run is stored: the topic, and ``topic:3.3`` for another PyTensor release
+    than this interpreter's (``--python``), so that both releases' tables stay."""
+    if python == sys.executable:
+        return topic
+    return f"{topic}:{pytensor_release(python)}"
+
+
+def run(topic, python=sys.executable):
     """Run one topic's benchmark; its record for the store, or None if it failed."""
     _, _, command = TOPICS[topic]
     if not os.path.exists(os.path.join(ROOT, command[0])):
@@ -116,7 +131,7 @@ def run(topic):
               file=sys.stderr)
         return None
     print(f"running {' '.join(command)} ...", flush=True)
-    done = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run([python, *command], cwd=ROOT, capture_output=True, text=True)
     if done.returncode:
         print(f"{topic}: exit {done.returncode}; its section keeps its last run\n"
               f"{done.stderr[-3000:]}", file=sys.stderr)
@@ -140,16 +155,20 @@ def render(store):
              "compare the ratios, not the absolute times.", ""]
     for topic, (title, what, _) in TOPICS.items():
         lines += [title, "-" * len(title), "", what, ""]
-        record = store.get(topic)
-        if record is None:
+        records = [(key, store[key]) for key in sorted(store)
+                   if key == topic or key.startswith(topic + ":")]
+        if not records:
             lines += ["Not measured yet.", ""]
             continue
-        commit = record["commit"] + (" with local changes" if record.get("dirty") else "")
-        lines += [f"Measured on {record['date']} at commit ``{commit}`` on {record['machine']}"
-                  f"; reproduce with ``{record['command']}``.", "", "::", ""]
-        lines += ["    " + ln if ln.strip() else ""
-                  for ln in scrub(record["output"]).splitlines()]
-        lines += [""]
+        for key, record in records:
+            commit = record["commit"] + (" with local changes" if record.get("dirty") else "")
+            release = (f" with PyTensor {key.split(':', 1)[1]}" if ":" in key else "")
+            lines += [f"Measured on {record['date']} at commit ``{commit}`` on "
+                      f"{record['machine']}{release}; reproduce with ``{record['command']}``.",
+                      "", "::", ""]
+            lines += ["    " + ln if ln.strip() else ""
+                      for ln in scrub(record["output"]).splitlines()]
+            lines += [""]
     text = "\n".join(lines)
     with open(PAGE, "w") as f:
         f.write(text)
@@ -161,6 +180,9 @@ def main(argv=None):
     p.add_argument("--only", nargs="+", choices=list(TOPICS), default=None,
                    help="measure these topics again, keep the others")
     p.add_argument("--render", action="store_true", help="only rewrite the page")
+    p.add_argument("--python", default=sys.executable,
+                   help="the interpreter that runs the benchmarks (another one, with another "
+                        "PyTensor release, adds that release's tables beside this one's)")
     args = p.parse_args(argv)
     store = {}
     if os.path.exists(STORE):
@@ -171,11 +193,11 @@ def main(argv=None):
     if not args.render:
         failed = []
         for topic in args.only or list(TOPICS):
-            record = run(topic)
+            record = run(topic, args.python)
             if record is None:
                 failed.append(topic)
                 continue
-            store[topic] = record
+            store[store_key(topic, args.python)] = record
             with open(STORE, "w") as f:
                 json.dump(store, f, indent=1, sort_keys=True)
         print(f"wrote {render(store)}")
