@@ -94,8 +94,8 @@ def _git(*args):
         return "unknown"
 
 
-def machine():
-    """One line naming the machine the benchmark ran on."""
+def machine(python=sys.executable):
+    """One line naming the machine the benchmark ran on, and `python`'s version."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -104,8 +104,11 @@ def machine():
             cpu = names[0]
     except OSError:
         pass
+    version = platform.python_version() if python == sys.executable else subprocess.run(
+        [python, "-c", "import platform; print(platform.python_version())"],
+        capture_output=True, text=True, check=True).stdout.strip()
     return (f"{cpu}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, "
-            f"Python {platform.python_version()}")
+            f"Python {version}")
 
 
 def pytensor_release(python):
@@ -141,7 +144,7 @@ def run(topic, python=sys.executable):
                 _git("status", "--porcelain", "--untracked-files=no").splitlines())
     return {"date": datetime.date.today().isoformat(), "commit": _git("rev-parse", "--short",
                                                                         "HEAD"),
-            "dirty": dirty, "machine": machine(), "command": "python " + " ".join(command),
+            "dirty": dirty, "machine": machine(python), "command": "python " + " ".join(command),
             "output": scrub(done.stdout.rstrip("\n"))}
 
 
