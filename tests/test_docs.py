@@ -63,7 +63,8 @@ def test_the_examples_page_names_every_example():
 def test_the_performance_page_is_rendered_from_its_store(tmp_path, monkeypatch):
     page_py = load(ROOT / "benchmarks" / "performance_page.py", "performance_page")
     store = json.loads((DOCS / "_static" / "performance.json").read_text())
-    assert set(store) == set(page_py.TOPICS)
+    # a topic, and the same topic on another PyTensor release ("inplace:3.3")
+    assert {key.split(":")[0] for key in store} == set(page_py.TOPICS)
     monkeypatch.setattr(page_py, "PAGE", str(tmp_path / "performance.rst"))
     page_py.render(store)
     rendered = (tmp_path / "performance.rst").read_text()
