@@ -153,6 +153,7 @@ def test_gpu_benchmark_models_are_the_pytensor_models(kind):
     """benchmarks/gpu.py writes the examples' CNN and MLP out for JAX and PyTorch: the same
     loss and gradients as the PyTensor graph (float64), ReLU and max-pool ties included
     (the digits have blank corners: whole pooling windows tie)."""
+    pytest.importorskip("sklearn", reason="the models train on scikit-learn's bundled digits")
     spec = importlib.util.spec_from_file_location("bench_gpu", os.path.join(BENCH, "gpu.py"))
     gpu = importlib.util.module_from_spec(spec)
     saved = list(sys.path)

@@ -95,6 +95,7 @@ def _readme_table():
 @pytest.mark.slow
 def test_the_demo_prints_the_readme_table():
     """``bash scripts/run-demo.sh`` runs this example with these arguments."""
+    pytest.importorskip("sklearn", reason="the demo reads scikit-learn's bundled digits")
     demo = (ROOT / "scripts" / "run-demo.sh").read_text()
     assert "examples/cross_minibatch.py --quick" in demo
     env = dict(os.environ, PYTHONPATH=str(ROOT))
