@@ -575,21 +575,33 @@ def _push_ones_in_threads(server, pushes):
                                       (seq, seq)) for wid, seq in pushes])
 
 
+def _break_applies(server, broken):
+    """Each shard's compiled step raises while ``broken["on"]`` (an injected fault)."""
+    for shard in server.shards:
+        def step(*args, _fn=shard.fn._fn):
+            if broken["on"]:
+                raise FloatingPointError("injected: the step overflowed")
+            return _fn(*args)
+        shard.fn._fn = step
+
+
 def test_failing_apply_fails_the_sync_round_and_the_server_keeps_serving():
-    """A schedule that returns NaN at step 1: round 1 fails for its pushers, state as before."""
-    broken = {"on": True}
-    schedule = lambda step: float("nan") if step == 1 and broken["on"] else 0.5  # noqa: E731
+    """Round 1's step raises: the round fails for its pushers, state as before, and the
+    same pushes apply once the step works again."""
+    broken = {"on": False}
     server = ParameterServer({"w": np.zeros(2), "b": np.zeros(1)}, sgd,
-                             dict(learning_rate=schedule), mode="sync", wait_timeout=10.0)
+                             dict(learning_rate=0.5), mode="sync", wait_timeout=10.0)
+    _break_applies(server, broken)
     for w in "ab":
         server.register(w)
     _push_ones_in_threads(server, [("a", 0), ("b", 0)])
     before = state_of(server)
+    broken["on"] = True
     out, elapsed = _push_ones_in_threads(server, [("a", 1), ("b", 1)])
     assert elapsed < 10
     for w in "ab":
         assert isinstance(out[w], RoundFailedError), out[w]
-        assert "could not be applied" in str(out[w]) and "nan" in str(out[w])
+        assert "could not be applied" in str(out[w]) and "overflowed" in str(out[w])
     assert_same_state(state_of(server), before)
     stats = server.stats()
     assert stats["failed_rounds"] == 1 and stats["version"] == (1, 1)
@@ -602,18 +614,45 @@ def test_failing_apply_fails_the_sync_round_and_the_server_keeps_serving():
     np.testing.assert_array_equal(server.pull()[1]["w"], [-1.0, -1.0])
 
 
-def test_failing_apply_async_applies_nothing_on_any_shard():
+def test_failing_apply_async_applies_nothing_and_the_push_can_be_retried():
     broken = {"on": True}
-    schedule = lambda step: float("inf") if broken["on"] else 1.0  # noqa: E731
     server = ParameterServer({"w": np.zeros(2), "b": np.zeros(1)}, sgd,
-                             dict(learning_rate=schedule), mode="async")
+                             dict(learning_rate=1.0), mode="async")
+    _break_applies(server, broken)
     server.register("a")
     before = state_of(server)
-    with pytest.raises(RoundFailedError, match="inf"):
+    with pytest.raises(RoundFailedError, match="overflowed"):
         server.push("a", 0, {"w": np.ones(2), "b": np.ones(1)}, version=(0, 0))
     assert_same_state(state_of(server), before)
+    assert server.stats()["version"] == (0, 0)
     broken["on"] = False
     assert server.push("a", 0, {"w": np.ones(2), "b": np.ones(1)}, version=(0, 0))["applied"]
+    np.testing.assert_array_equal(server.pull()[1]["w"], [-1.0, -1.0])
+
+
+def test_a_schedule_is_compiled_into_each_shard_with_its_own_step_counter():
+    """Async steps 0..3 on shard w, 0..1 on shard b: each shard's rate is the schedule at its
+    own step (numpy reference), and the counter is checkpointed state."""
+    schedule = lambda step: 0.5 * 0.9 ** step                # noqa: E731
+    server = ParameterServer({"w": np.zeros(1), "b": np.zeros(1)}, sgd,
+                             dict(learning_rate=schedule), mode="async")
+    server.register("a")
+    for seq in range(4):
+        shards = None if seq < 2 else ["w"]
+        grads = {"w": np.ones(1)} if shards else {"w": np.ones(1), "b": np.ones(1)}
+        server.push("a", seq, grads, version=server.pull()[0] if not shards else
+                    server.pull(shards=["w"])[0], shards=shards)
+    params = server.pull()[1]
+    assert params["w"][0] == pytest.approx(-sum(0.5 * 0.9 ** k for k in range(4)), abs=1e-15)
+    assert params["b"][0] == pytest.approx(-sum(0.5 * 0.9 ** k for k in range(2)), abs=1e-15)
+    state = server.state()
+    assert int(state["w/schedule_step"]) == 4 and int(state["b/schedule_step"]) == 2
+
+
+def test_a_schedule_that_branches_in_python_is_refused_naming_the_rule():
+    with pytest.raises(TypeError, match=r"sgd\(\).*schedule.*pt.switch rather than if"):
+        ParameterServer({"w": np.zeros(1)}, sgd,
+                        dict(learning_rate=lambda step: 0.1 if step < 10 else 0.01))
 
 
 def test_rejected_counts_every_rejected_push_once():

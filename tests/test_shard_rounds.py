@@ -21,17 +21,14 @@ SPECS = {"w": ((2,), "float64")}
 
 
 class NumpySGD:
-    """``w -= factor * g``; a schedule may be given as ``lr(step)``."""
+    """``w -= factor * g`` with ``factor = lr * scale``; step number `fail_at` raises."""
 
     def __init__(self, lr=1.0, fail_at=None):
         self.w = np.zeros(2)
         self.lr, self.fail_at, self.calls = lr, fail_at, []
 
-    def factor(self, step, scale):
-        value = self.lr(step) if callable(self.lr) else self.lr
-        if not np.isfinite(value):
-            raise ValueError(f"learning-rate schedule returned {value} at step {step}")
-        return value * scale
+    def factor(self, scale):
+        return self.lr * scale
 
     def __call__(self, arrays, factor):
         if self.fail_at is not None and len(self.calls) == self.fail_at:
@@ -125,20 +122,20 @@ def test_timeout_close_and_fail_with_a_clock():
 
 def test_a_failing_apply_fails_the_round_and_the_book_keeps_working():
     """Issue 11 item 15: the round is discarded, its pushers get the error, nothing stays pending."""
-    r, sgd = book(apply=NumpySGD(lr=lambda step: np.nan if step == 1 else 1.0))
+    r, sgd = book(apply=NumpySGD(fail_at=1))
     for w in "ab":
         r.register(w)
     push(r, "a", 0, [1.0, 1.0])
     push(r, "b", 0, [1.0, 1.0])                              # round 0 applied
     push(r, "a", 1, [5.0, 5.0])
-    closing = push(r, "b", 1, [5.0, 5.0])                    # round 1: the schedule gives NaN
+    closing = push(r, "b", 1, [5.0, 5.0])                    # round 1: the step raises
     assert not closing["applied"]
-    with pytest.raises(RoundFailedError, match="could not be applied.*nan"):
+    with pytest.raises(RoundFailedError, match="could not be applied.*simulated failure"):
         r.outcome(1)
     assert r.version == 1 and not r.pending and r.counts["failed_rounds"] == 1
     np.testing.assert_array_equal(sgd.w, [-1.0, -1.0])
     assert r.stats()["live_workers"] == ["a", "b"]
-    sgd.lr = 0.5
+    sgd.lr, sgd.fail_at = 0.5, None
     push(r, "a", 1, [5.0, 5.0])                              # the same ids again: applied now
     assert push(r, "b", 1, [5.0, 5.0])["applied"]
     np.testing.assert_array_equal(sgd.w, [-3.5, -3.5])

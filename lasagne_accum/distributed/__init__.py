@@ -210,7 +210,7 @@ def train(
         under Dask it is called inside the task).
     update_rule, rule_kwargs
         Any rule and its hyperparameters; ``learning_rate`` may be a
-        schedule ``callable(step)``, evaluated at every shard step.
+        schedule of the step (compiled into each shard's rule).
     mode : {"sync", "async"}
     backend : {"local", "dask"}
         Threads in this process, or Dask processes (see `dask`).

@@ -60,9 +60,9 @@ class Rounds:
         ``{param name: (shape, dtype)}``.
     options : ServerOptions
     apply : object
-        ``apply.factor(step, scale)`` returns the learning-rate factor of the
-        step numbered `step` (raising ValueError if the schedule gives a bad
-        value) and ``apply(arrays, factor)`` applies one step.
+        ``apply.factor(scale)`` returns the factor input of a step whose
+        staleness scale is `scale`, and ``apply(arrays, factor)`` applies one
+        step.
 
     Notes
     -----
@@ -132,8 +132,6 @@ class Rounds:
         ------
         PushRejected, UnknownWorkerError, StalePushError
             The push cannot be taken.
-        RoundFailedError
-            Async mode: the learning-rate schedule gives a bad value now.
         """
         self.expire()
         self.require_live(worker_id)
@@ -155,14 +153,7 @@ class Rounds:
             return "new", None
         staleness = self.version - version
         scale = 1.0 / max(1, staleness) if self.options.staleness_scale else 1.0
-        return "new", self._factor(scale)
-
-    def _factor(self, scale):
-        try:
-            return self.apply.factor(self.version, scale)
-        except ValueError as exc:
-            raise RoundFailedError(f"{self.where}: cannot step at version {self.version}: "
-                                   f"{exc}") from None
+        return "new", self.apply.factor(scale)
 
     def commit(self, worker_id, seq, arrays, weight, version, ticket):
         """Carry out a push that :meth:`check` accepted (same lock hold); return its result."""
@@ -222,8 +213,7 @@ class Rounds:
         """Apply the open round; return its result, or None if applying failed (round failed)."""
         order, total, merged = self.merged()
         try:
-            factor = self._factor(1.0)
-            self.apply(merged, factor)
+            self.apply(merged, self.apply.factor(1.0))
         except Exception as exc:
             self.fail_round(RoundFailedError(
                 f"{self.where}: sync round {self.round} (version {self.version}) could not "

@@ -213,8 +213,10 @@ class BaseServer:
             or queued anywhere. Counted once in ``stats()["rejected"]``.
         RoundFailedError
             The step (async) or the round (sync) could not be applied
-            (a schedule returned NaN, a round timed out with
-            ``on_timeout="fail"``): nothing of it was applied.
+            (the compiled step raised, a round timed out with
+            ``on_timeout="fail"``): nothing of the round was applied; an
+            async step that fails on a shard is not applied there nor on
+            the shards after it.
         ServerTimeoutError
             Waited ``wait_timeout`` seconds for a round or a shard.
         """
@@ -371,7 +373,9 @@ class ParameterServer(BaseServer):
         Adam exactly Adam in sync mode.
     rule_kwargs : dict, optional
         Hyperparameters; ``learning_rate`` may be a number, a shared variable
-        or a callable ``schedule(step) -> float`` evaluated at each shard step.
+        or a schedule (:mod:`lasagne_accum.schedules`, or any callable of the
+        symbolic step), compiled into each shard's rule with the shard's own
+        step counter (``<shard>/schedule_step``, saved in checkpoints).
     shards : None, list of lists, or dict
         None: one shard per parameter. Else groups of parameter names (a rule
         that couples parameters, like a global norm clip, needs them in one

@@ -1,7 +1,8 @@
 """One shard: some parameters, the rule's compiled apply function, and a lock.
 
 :class:`ApplyFunction` is the PyTensor part (build the rule's graph for the
-shard's parameters, compile it, turn the learning rate into a factor fed at
+shard's parameters, with a schedule's step counter in it, and compile it;
+a number learning rate and the staleness scale enter as a factor fed at
 every step); :class:`~lasagne_accum.distributed.rounds.Rounds` is the
 bookkeeping; :class:`Shard` puts them behind one lock. :func:`push_atomic`
 pushes to several shards at once: it checks the push on every one of them
@@ -11,7 +12,6 @@ before it commits it to any, so a rejected push leaves no trace.
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import time
 from collections import OrderedDict
@@ -24,8 +24,10 @@ from pytensor.compile.sharedvalue import SharedVariable
 
 from ..checkpoint import collect_state
 from ..merge import merge_updates
+from .._graph import scalar_state
+from ..rules._core import evaluate_schedule
 from ..model_average import ExponentialMovingAverage, ModelAverage
-from .._checks import check_rule_updates
+from .._checks import check_rule_updates, rule_name
 from ..training import warm_up_calls
 from . import reduction
 from .checks import check_grads, check_seq, check_version, check_weight, check_worker_id, \
@@ -53,8 +55,12 @@ class ApplyFunction:
     update_rule, rule_kwargs
         The rule is called once here, so its step counter is the shard's own.
         ``learning_rate`` may be a number, a symbolic scalar or a schedule
-        ``callable(step) -> float``; a factor input carries it (or scales the
-        gradients of a rule without a learning rate).
+        (a callable of the symbolic step, as the rules take it). A schedule is
+        compiled into the apply function with the shard's own step counter
+        (``<shard>/schedule_step``), advanced with every applied step; the
+        factor input carries a number learning rate times the staleness scale
+        (or the scale alone; a rule without a learning rate gets its gradients
+        scaled by it).
     compile_mode : str, optional
     averages : dict, optional
         ``{"model_average": kwargs, "ema": kwargs}`` (either may be None): the
@@ -73,14 +79,20 @@ class ApplyFunction:
                            name=f"{n}.grad") for n, p in params.items()]
         factor = pt.dscalar(f"{shard_name}.lr_factor")
         self.kind, self.base = learning_rate_kind(update_rule, rule_kwargs)
-        used = grads
+        used, step = grads, None
         if self.kind == "none":
             used = [g * pt.cast(factor, g.type.dtype) for g in grads]
         elif self.kind == "symbolic":
             rule_kwargs["learning_rate"] = self.base * factor
+        elif self.kind == "schedule":
+            step = scalar_state("schedule_step", "int64")
+            rule_kwargs["learning_rate"] = evaluate_schedule(
+                self.base, step, rule_name(update_rule)) * factor
         else:
             rule_kwargs["learning_rate"] = factor
         updates = check_rule_updates(update_rule, used, list(params.values()), rule_kwargs)
+        if step is not None:
+            updates[step] = step + np.int64(1)
         self.averages = {}
         for key, cls in (("model_average", ModelAverage), ("ema", ExponentialMovingAverage)):
             kwargs = (averages or {}).get(key)
@@ -101,22 +113,9 @@ class ApplyFunction:
         zeros = [np.zeros(shape, dtype) for shape, dtype in self.specs.values()]
         warm_up_calls(self.updates, lambda: self._fn(*zeros, 0.0))
 
-    def factor(self, step, scale):
-        """The factor input of step number `step` (0-based); ValueError for a bad schedule value."""
-        if self.kind == "number":
-            return self.base * scale
-        if self.kind == "schedule":
-            value = self.base(step)
-            try:
-                value = float(value)
-            except (TypeError, ValueError):
-                raise ValueError(f"learning-rate schedule returned {value!r} at step {step}, "
-                                 "not a number") from None
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"learning-rate schedule returned {value} at step {step}; "
-                                 "it must be finite and >= 0")
-            return value * scale
-        return scale
+    def factor(self, scale):
+        """The factor input of one step whose staleness scale is `scale`."""
+        return self.base * scale if self.kind == "number" else scale
 
     def __call__(self, arrays, factor):
         # arrays that crossed a process boundary may be unaligned views of the message,
@@ -149,8 +148,9 @@ class Shard:
         (``adam.t``) is the shard's own.
     rule_kwargs : dict, optional
         Hyperparameters; ``learning_rate`` may be a number, a symbolic scalar
-        (in-process only) or a callable ``schedule(step) -> float``
-        evaluated at every step of the shard (0 for the first).
+        (in-process only) or a schedule (:mod:`lasagne_accum.schedules`, or
+        any callable of the symbolic step), compiled into the shard's rule
+        with the shard's own step counter (0 for the first step).
     options : ServerOptions, optional
     **option_kwargs
         Fields of :class:`~lasagne_accum.distributed.options.ServerOptions`.
@@ -463,8 +463,11 @@ def push_atomic(shards, calls, pull=False, count_rejected=False):
 
     Raises
     ------
-    PushRejected, RoundFailedError
+    PushRejected
         From the first shard that refuses the push; no shard has changed.
+    RoundFailedError
+        Async mode: a shard's compiled step raised; that shard and those
+        after it applied nothing, the shards before it applied the push.
     """
     with contextlib.ExitStack() as stack:
         for shard in shards:

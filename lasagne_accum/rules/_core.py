@@ -203,7 +203,7 @@ def _with_schedule(rule, core, grads, params, hyper):
         return core(grads, params, **hyper)
     prefix = hyper.get("name") or rule_name
     step = scalar_state(f"{prefix}.schedule_step", "int64")
-    value = _evaluate_schedule(lr, step, rule_name)
+    value = evaluate_schedule(lr, step, rule_name)
     updates = core(grads, params, **dict(hyper, learning_rate=value))
     updates[step] = step + pt.constant(np.int64(1))
     return updates
@@ -225,7 +225,7 @@ def _accumulated(rule, loss_or_grads, params, every, weight, hyper):
                                       weight=weight, name=name or "average", **hyper)
 
 
-def _evaluate_schedule(schedule, step, rule_name):
+def evaluate_schedule(schedule, step, rule_name):
     """``schedule(step)`` on the symbolic step, checked to be a scalar."""
     label = getattr(schedule, "__name__", None) or type(schedule).__name__
     try:
