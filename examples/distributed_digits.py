@@ -82,7 +82,7 @@ def parse_args(argv=None):
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="update rule")
     models.add_flags(p, lr=3e-3)
     p.add_argument("--decay", type=float, default=0.0,
-                   help="learning rate lr / (1 + decay * step), evaluated per shard step")
+                   help="learning rate lr / (1 + decay * step), with each shard's step")
     p.add_argument("--staleness-scale", action="store_true",
                    help="async: divide each step by its staleness")
     p.add_argument("--hidden", type=models.positive_int, default=64,

@@ -575,9 +575,12 @@ def _push_ones_in_threads(server, pushes):
                                       (seq, seq)) for wid, seq in pushes])
 
 
-def _break_applies(server, broken):
-    """Each shard's compiled step raises while ``broken["on"]`` (an injected fault)."""
-    for shard in server.shards:
+def _break_applies(server, broken, shards=None):
+    """The compiled step of each shard (of those indexed by `shards`) raises while
+    ``broken["on"]`` (an injected fault)."""
+    for i, shard in enumerate(server.shards):
+        if shards is not None and i not in shards:
+            continue
         def step(*args, _fn=shard.fn._fn):
             if broken["on"]:
                 raise FloatingPointError("injected: the step overflowed")
@@ -585,17 +588,22 @@ def _break_applies(server, broken):
         shard.fn._fn = step
 
 
+def _halving(step):
+    return 0.5 * 0.5 ** step
+
+
 def test_failing_apply_fails_the_sync_round_and_the_server_keeps_serving():
-    """Round 1's step raises: the round fails for its pushers, state as before, and the
-    same pushes apply once the step works again."""
+    """Round 1's step raises: the round fails for its pushers, state (the schedule's step
+    counters included) as before, and the same pushes apply once the step works again."""
     broken = {"on": False}
     server = ParameterServer({"w": np.zeros(2), "b": np.zeros(1)}, sgd,
-                             dict(learning_rate=0.5), mode="sync", wait_timeout=10.0)
+                             dict(learning_rate=_halving), mode="sync", wait_timeout=10.0)
     _break_applies(server, broken)
     for w in "ab":
         server.register(w)
     _push_ones_in_threads(server, [("a", 0), ("b", 0)])
     before = state_of(server)
+    assert before["w/schedule_step"] == 1 and before["b/schedule_step"] == 1
     broken["on"] = True
     out, elapsed = _push_ones_in_threads(server, [("a", 1), ("b", 1)])
     assert elapsed < 10
@@ -611,13 +619,15 @@ def test_failing_apply_fails_the_sync_round_and_the_server_keeps_serving():
     broken["on"] = False
     out, _ = _push_ones_in_threads(server, [("a", 1), ("b", 1)])      # the same ids, applied now
     assert out["a"]["applied"] and out["b"]["applied"]
-    np.testing.assert_array_equal(server.pull()[1]["w"], [-1.0, -1.0])
+    # rates 0.5 then 0.25 (step 1: the failed round did not advance the schedule)
+    np.testing.assert_array_equal(server.pull()[1]["w"], [-0.75, -0.75])
+    assert int(server.state()["w/schedule_step"]) == 2
 
 
 def test_failing_apply_async_applies_nothing_and_the_push_can_be_retried():
     broken = {"on": True}
     server = ParameterServer({"w": np.zeros(2), "b": np.zeros(1)}, sgd,
-                             dict(learning_rate=1.0), mode="async")
+                             dict(learning_rate=_halving), mode="async")
     _break_applies(server, broken)
     server.register("a")
     before = state_of(server)
@@ -627,7 +637,44 @@ def test_failing_apply_async_applies_nothing_and_the_push_can_be_retried():
     assert server.stats()["version"] == (0, 0)
     broken["on"] = False
     assert server.push("a", 0, {"w": np.ones(2), "b": np.ones(1)}, version=(0, 0))["applied"]
-    np.testing.assert_array_equal(server.pull()[1]["w"], [-1.0, -1.0])
+    np.testing.assert_array_equal(server.pull()[1]["w"], [-0.5, -0.5])
+
+
+def test_an_async_push_failing_on_its_second_shard_is_completed_by_its_resend():
+    """Shard b's step raises: shard w has applied the push (it came first), b has not; the
+    resend of the same (worker, seq) is a duplicate on w and applies on b, once."""
+    broken = {"on": True}
+    server = ParameterServer({"w": np.zeros(2), "b": np.zeros(1)}, sgd,
+                             dict(learning_rate=_halving), mode="async")
+    assert [s.name for s in server.shards] == ["w", "b"]
+    _break_applies(server, broken, shards=[1])
+    server.register("a")
+    grads = {"w": np.ones(2), "b": np.ones(1)}
+    with pytest.raises(RoundFailedError, match="'b'.*not applied here.*overflowed"):
+        server.push("a", 0, grads, version=(0, 0))
+    state = server.state()
+    assert server.stats()["version"] == (1, 0)
+    assert int(state["w/schedule_step"]) == 1 and int(state["b/schedule_step"]) == 0
+    np.testing.assert_array_equal(state["w"], [-0.5, -0.5])
+    np.testing.assert_array_equal(state["b"], [0.0])
+    broken["on"] = False
+    server.push("a", 0, grads, version=(0, 0))
+    server.push("a", 0, grads, version=(0, 0))                 # a third send changes nothing
+    state = server.state()
+    assert server.stats()["version"] == (1, 1)
+    np.testing.assert_array_equal(state["w"], [-0.5, -0.5])
+    np.testing.assert_array_equal(state["b"], [-0.5])
+
+
+def test_a_schedule_and_the_staleness_scale_multiply():
+    """Async, staleness_scale: step k's rate is schedule(k) / max(1, staleness)."""
+    server = ParameterServer({"w": np.zeros(1)}, sgd, dict(learning_rate=_halving),
+                             mode="async", staleness_scale=True)
+    v0, _ = server.register("a")
+    for seq in range(3):                                       # stale by 0, 1, 2
+        server.push("a", seq, {"w": np.ones(1)}, version=v0)
+    expected = -(0.5 + 0.25 / 1 + 0.125 / 2)
+    assert server.pull()[1]["w"][0] == pytest.approx(expected, abs=1e-15)
 
 
 def test_a_schedule_is_compiled_into_each_shard_with_its_own_step_counter():

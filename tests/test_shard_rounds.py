@@ -145,7 +145,7 @@ def test_async_apply_failure_is_an_error_and_nothing_is_recorded():
     r, sgd = book(mode="async", apply=NumpySGD(fail_at=0))
     r.register("a")
     ticket = r.check("a", 0, 0)
-    with pytest.raises(RoundFailedError, match="nothing applied.*simulated failure"):
+    with pytest.raises(RoundFailedError, match="not applied here.*simulated failure"):
         r.commit("a", 0, [np.ones(2)], 1.0, 0, ticket)
     assert r.version == 0 and 0 not in r.seen["a"]
     sgd.fail_at = None

@@ -204,7 +204,8 @@ def learning_rate_kind(update_rule, rule_kwargs):
         return "schedule", value
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, np.number, np.ndarray)):
         raise TypeError("learning_rate must be a number, a symbolic scalar or a schedule "
-                        f"callable(step) -> number, got {type(value).__name__}")
+                        "(a callable of the symbolic step, see lasagne_accum.schedules), "
+                        f"got {type(value).__name__}")
     value = float(value)
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"learning_rate must be a finite number >= 0, got {value}")

@@ -25,10 +25,13 @@ class StalePushError(PushRejected):
 
 
 class RoundFailedError(RuntimeError):
-    """A sync round (or an async push) could not be applied; nothing of it was applied.
+    """A sync round, or an async push's step on a shard, could not be applied.
 
-    Raised to every pusher of the round. The server keeps serving: the same
-    pushes (same ``(worker, seq)``) may be sent again.
+    A failed sync round applied nothing and is raised to every pusher of the
+    round. A failed async step applied nothing on its shard; the shards the
+    push reached before it (or that other processes hold) may have applied
+    it. The server keeps serving: the same pushes (same ``(worker, seq)``)
+    may be sent again, and each shard applies a push once.
     """
 
 

@@ -125,8 +125,9 @@ class Rounds:
         Returns
         -------
         ("duplicate", result) or ("new", factor)
-            `factor` is the async step's learning-rate factor (None in sync
-            mode, where it is computed when the round closes).
+            `factor` is the async step's factor input (a number learning
+            rate times the staleness scale, or the scale; None in sync mode,
+            where it is computed when the round closes).
 
         Raises
         ------
@@ -170,7 +171,7 @@ class Rounds:
                 self.apply(arrays, value)
             except Exception as exc:
                 raise RoundFailedError(f"{self.where}: applying the push of worker "
-                                       f"{worker_id!r} (seq {seq}) failed, nothing applied: "
+                                       f"{worker_id!r} (seq {seq}) failed, not applied here: "
                                        f"{type(exc).__name__}: {exc}") from exc
             self.seen[worker_id].add(seq)
             self.version += 1

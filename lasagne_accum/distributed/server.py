@@ -214,9 +214,10 @@ class BaseServer:
         RoundFailedError
             The step (async) or the round (sync) could not be applied
             (the compiled step raised, a round timed out with
-            ``on_timeout="fail"``): nothing of the round was applied; an
-            async step that fails on a shard is not applied there nor on
-            the shards after it.
+            ``on_timeout="fail"``). A failed sync round applied nothing; a
+            failed async step applied nothing on its shard, but shards the
+            push reached before it may have applied it: send the same
+            ``(worker_id, seq)`` again to complete it.
         ServerTimeoutError
             Waited ``wait_timeout`` seconds for a round or a shard.
         """

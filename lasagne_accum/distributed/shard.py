@@ -467,7 +467,8 @@ def push_atomic(shards, calls, pull=False, count_rejected=False):
         From the first shard that refuses the push; no shard has changed.
     RoundFailedError
         Async mode: a shard's compiled step raised; that shard and those
-        after it applied nothing, the shards before it applied the push.
+        after it applied nothing, the shards before it applied the push
+        (a resend of the same ``(worker_id, seq)`` completes it).
     """
     with contextlib.ExitStack() as stack:
         for shard in shards:
