@@ -28,7 +28,9 @@ Item 4 (in the ``ours`` worker): the apply step's bytes moved per call (every
 shared array it reads plus every one it writes, i.e. the least traffic the
 step needs) divided by its time, beside the bandwidth of ``numpy.copyto`` of a
 float32 array as large as all parameters together (2 x its bytes per copy),
-timed alternately in the same process.
+timed alternately in the same process. It is a diagnostic, printed without a
+target: that copy may run from the CPU's cache while the apply step's traffic
+(several times larger) does not, so the ratio depends on the machine's caches.
 
     python benchmarks/peers.py            # about 3-5 minutes on 2 busy cores
     python benchmarks/peers.py --quick    # smoke test
@@ -279,13 +281,10 @@ def parent_main(args):
         bw_a, bw_c = mm["apply_bytes"] / ap / 1e6, mm["copy_bytes"] / cp / 1e6
         print(f"{t:>7} {ap:9.3f} {mm['apply_bytes'] / 2**20:9.2f} {bw_a:11.2f} {cp:8.3f} "
               f"{bw_c:10.2f} {bw_a / bw_c:6.2f}")
-        verdicts.append((f"4 apply bandwidth / copy bandwidth, {t} thread(s)", bw_a / bw_c, -0.6))
     print()
     print("SUMMARY (target: measured -> verdict)")
     for label, v, target in verdicts:
-        ok = v <= target if target > 0 else v >= -target
-        print(f"  {'PASS' if ok else 'MISS'}  {label:45s} {'<=' if target > 0 else '>='} "
-              f"{abs(target)}: {v:.3f}")
+        print(f"  {'PASS' if v <= target else 'MISS'}  {label:45s} <= {target}: {v:.3f}")
     print(load_average())
     print(f"total {time.perf_counter() - t0:.0f} s; worker log {log.name}")
 

@@ -138,10 +138,9 @@ def default_modes() -> tuple[str, str]:
     Notes
     -----
     The C backend with BLAS fuses the accumulation ``accu + grad`` into the
-    gradient's matrix product (``Gemm`` in place), which makes the accumulate
-    step cheaper than in PyTensor 3's default Numba backend; Numba's fused
-    elementwise loops run the rule's apply step faster than C's in float32
-    and about as fast in float64 (docs/performance.rst, "Backends"). Each
-    function gets the backend that is fastest for it.
+    gradient's matrix product (``Gemm`` in place), so that the accumulate step
+    costs about what the gradient alone costs; Numba's fused elementwise loops
+    run the rule's apply step faster than C's (docs/performance.rst,
+    "Backends").
     """
     return ("CVM" if blas_available() else "NUMBA"), "NUMBA"

@@ -215,9 +215,8 @@ class LazyStep(Op):
         """The inner graph compiled for the C backends (states mutable when in place).
 
         Compiled by PyTensor's Numba backend when numba imports (its fused
-        elementwise loops run an update rule faster than the C backend's in
-        float32, as fast in float64), else by the C backend; both in
-        :func:`lasagne_accum.mode`.
+        elementwise loops run an update rule faster than the C backend's),
+        else by the C backend; both in :func:`lasagne_accum.mode`.
         """
         if self._fn is None:
             import importlib.util
