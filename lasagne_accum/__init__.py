@@ -17,6 +17,7 @@ from . import schedules, updates
 from .accumulate import Accumulation, accumulate_gradients, reset
 from .checkpoint import collect_state, load_state, save_state
 from .memory import MemoryPlan, StepMemory, memory_plan, step_memory
+from .machine import show_config
 from .merge import merge_updates
 from .model_average import ExponentialMovingAverage, ModelAverage
 from .modes import default_modes, mode
@@ -37,6 +38,7 @@ __all__ += [
     "ExponentialMovingAverage",
     "mode",
     "default_modes",
+    "show_config",
     "memory_plan",
     "MemoryPlan",
     "step_memory",

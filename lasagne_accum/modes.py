@@ -126,21 +126,65 @@ def blas_available() -> bool:
     return bool(pytensor.config.blas__ldflags)
 
 
-def default_modes() -> tuple[str, str]:
+def float_dtype(variables: Any) -> str | None:
+    """``"float64"`` or ``"float32"`` when `variables`' types say so (the wider wins), else
+    None (``pytensor.config.floatX``): the dtype :func:`default_modes` measures for."""
+    dtypes = {getattr(getattr(v, "type", None), "dtype", None) for v in variables}
+    if "float64" in dtypes:
+        return "float64"
+    return "float32" if "float32" in dtypes else None
+
+
+def default_modes(dtype: str | None = None) -> tuple[str, str]:
     """The base modes :func:`~lasagne_accum.compile_accumulation` uses when none is given.
+
+    Chosen by measurement on the machine at hand, not by assumption: the C
+    backend runs the BLAS PyTensor links (a system OpenBLAS older than the CPU
+    runs generic kernels several times slower), Numba runs SciPy's. The first
+    call times a small accumulate step (two dense layers' forward and backward
+    pass into gradient buffers) and apply step (Adam) under both backends, in
+    a child process, and keeps the result beside PyTensor's compile directory;
+    later calls, in any process, read it (see
+    :func:`lasagne_accum.machine.measured_modes`, and :func:`show_config` for
+    the figures).
+
+    Parameters
+    ----------
+    dtype : {"float32", "float64"}, optional
+        The model's float type (default ``pytensor.config.floatX``):
+        :func:`~lasagne_accum.compile_accumulation` passes its parameters'.
 
     Returns
     -------
     (accumulate_mode, apply_mode) : tuple of str
-        ``("CVM", "NUMBA")`` when PyTensor's C backend links to a BLAS
-        library, else ``("NUMBA", "NUMBA")``; compiled through :func:`mode`.
+        Each ``"CVM"`` or ``"NUMBA"``, the faster of the two for that step
+        (C on a tie); compiled through :func:`mode`.
+
+    Raises
+    ------
+    ValueError
+        If `dtype` is not float32 or float64.
 
     Notes
     -----
-    The C backend with BLAS fuses the accumulation ``accu + grad`` into the
-    gradient's matrix product (``Gemm`` in place), so that the accumulate step
-    costs about what the gradient alone costs; Numba's fused elementwise loops
-    run the rule's apply step faster than C's (docs/performance.rst,
-    "Backends").
+    A measurement is redone when the machine, the PyTensor, Numba, NumPy or
+    SciPy release, ``blas__ldflags``, the thread variables
+    (``OMP_NUM_THREADS``...) or the library's probe change, and when its file
+    cannot be read or holds no valid timings. A mode you pass
+    (``mode=``/``apply_mode=``) is always used as given.
+
+    Both backends give the same numbers to float64 rounding; in float32 they
+    may differ in the last bits (a BLAS sums a matrix product's terms in an
+    order of its own), so a run can differ in float32's last digits between
+    two machines whose measurements picked different backends.
+
+    Examples
+    --------
+    >>> import lasagne_accum as la
+    >>> la.default_modes("float32") in [("CVM", "NUMBA"), ("NUMBA", "NUMBA"),
+    ...                                 ("CVM", "CVM"), ("NUMBA", "CVM")]
+    True
     """
-    return ("CVM" if blas_available() else "NUMBA"), "NUMBA"
+    from .machine import measured_modes
+
+    return measured_modes(dtype).modes

@@ -19,7 +19,7 @@ import pytensor
 from ._checks import check_int, check_rule_updates
 from .accumulate import accumulate_gradients
 from .merge import merge_updates
-from .modes import default_modes, mode as la_mode
+from .modes import default_modes, float_dtype, mode as la_mode
 from .progress import Progress
 
 if TYPE_CHECKING:
@@ -364,7 +364,8 @@ def compile_accumulation(
                                                    is_step=acc.is_step, **ema)
     apply = merge_updates(stepped, *(a.updates for a in averages.values()), acc.reset)
 
-    default_acc, default_apply = default_modes()
+    default_acc, default_apply = (None, None) if mode is not None else \
+        default_modes(float_dtype(acc.params))
     if mode is not None and apply_mode is None:
         apply_mode = mode
     accumulate_fn = pytensor.function(

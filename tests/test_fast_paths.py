@@ -137,6 +137,31 @@ def test_numba_gemm_every_layout_and_scale(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_numba_matrix_product_through_blas_for_every_layout(dtype):
+    """A plain matrix product in a Numba mode is one BLAS gemm (``NumbaDot22``), exact
+    against numpy for each layout (a transposed operand is passed as transposed), empty
+    and zero inner dimensions included; plain Numba keeps PyTensor's ``Dot``."""
+    rng = np.random.default_rng(3)
+    x, y = pt.matrix("x", dtype=dtype), pt.matrix("y", dtype=dtype)
+    f = pytensor.function([x, y], x @ y, mode=la.mode("NUMBA"))
+    ops = [type(n.op).__name__ for n in f.maker.fgraph.toposort()]
+    assert ops == ["NumbaDot22"]
+    plain = pytensor.function([x, y], x @ y, mode="NUMBA")
+    assert "NumbaDot22" not in [type(n.op).__name__ for n in plain.maker.fgraph.toposort()]
+    xv = rng.standard_normal((5, 4)).astype(dtype)
+    yv = rng.standard_normal((4, 3)).astype(dtype)
+    for (lx, xl), (ly, yl) in zip(_layouts(xv).items(), list(_layouts(yv).items())[::-1]):
+        got = f(xl, yl)
+        assert got.dtype == dtype and got.shape == (5, 3), (lx, ly)
+        _close(got, xv.astype(np.float64) @ yv.astype(np.float64), dtype, what=f"{lx} {ly}")
+    assert np.array_equal(f(np.ones((3, 0), dtype), np.ones((0, 2), dtype)),
+                          np.zeros((3, 2)))
+    assert f(np.ones((0, 4), dtype), yv).shape == (0, 3)
+    with pytest.raises(ValueError, match="inner dimensions"):
+        f(xv, xv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_numba_accumulate_step_matches_c_and_plain_numba(dtype):
     """The library's accumulate step: NUMBA with Gemm == NUMBA without it == C."""
     rng = np.random.default_rng(3)

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 
 import numpy as np
-from pytensor.tensor.blas import Gemm
+from pytensor.tensor.blas import Dot22, Gemm
 
 from . import source_key
 
-__all__ = ["NumbaGemm", "numba_gemm_rewrites", "gemm_reset", "to_numba_gemm", "register_numba"]
+__all__ = ["NumbaGemm", "NumbaDot22", "numba_gemm_rewrites", "gemm_reset", "to_numba_gemm", "register_numba"]
 
 _registered: set[str] = set()
 
@@ -42,21 +42,34 @@ class NumbaGemm(Gemm):
     """
 
 
+class NumbaDot22(Dot22):
+    """PyTensor's ``Dot22`` (a float32 or float64 matrix product) with a Numba
+    implementation through BLAS gemm: an operand that is a transpose (``W.T`` in a
+    backward pass) is handed to BLAS as transposed, where Numba's ``np.dot``
+    copies it first. Only :func:`numba_gemm_rewrites` makes it.
+    """
+
+
 def numba_gemm_rewrites():
     """The C backend's Gemm rewrite, for Numba modes (a ``SequenceDB``).
 
     ``Dot`` becomes ``Dot22`` for the search, PyTensor's ``GemmOptimizer``
     folds ``beta * z + alpha * Dot22(x, y)`` sums into ``Gemm``, and the
-    ``Dot22`` left over become ``Dot`` again (their Numba code).
+    ``Dot22`` left over become :class:`NumbaDot22` (float32 and float64: one
+    BLAS gemm, transposed operands included) or ``Dot`` again (other dtypes).
     """
     from pytensor.graph.rewriting.basic import dfs_rewriter, node_rewriter
     from pytensor.graph.rewriting.db import SequenceDB
-    from pytensor.tensor.blas import Dot22
     from pytensor.tensor.math import _dot
     from pytensor.tensor.rewriting.blas import GemmOptimizer, local_dot_to_dot22
 
     @node_rewriter([Dot22])
     def local_dot22_to_dot(fgraph, node):
+        if isinstance(node.op, NumbaDot22):
+            return None
+        if node.outputs[0].type.dtype in ("float32", "float64"):
+            register_numba()
+            return NumbaDot22().make_node(*node.inputs).outputs
         return [_dot(*node.inputs)]
 
     seq = SequenceDB()
@@ -284,5 +297,22 @@ def register_numba():
             return out
 
         return gemm, f"lasagne_accum-gemm-{dtype}-{inplace}-{source_key(__file__)}"
+
+    @register_funcify_and_cache_key(NumbaDot22)
+    def numba_funcify_NumbaDot22(op, node, **kwargs):
+        dtype = node.outputs[0].type.dtype
+        run = gemm_into(dtype)
+
+        @numba_basic.numba_njit
+        def dot22(x, y):
+            if x.shape[1] != y.shape[0]:
+                raise ValueError("NumbaDot22: the matrices' inner dimensions differ")
+            if x.shape[1] == 0:
+                return np.zeros((x.shape[0], y.shape[1]), dtype=x.dtype)
+            out = np.empty((x.shape[0], y.shape[1]), dtype=x.dtype)
+            run(out, 1.0, x, y, 0.0)   # beta = 0: BLAS does not read out's values
+            return out
+
+        return dot22, f"lasagne_accum-dot22-{dtype}-{source_key(__file__)}"
 
     _registered.add("numba-gemm")
