@@ -126,6 +126,24 @@ def store_key(topic, python):
     return f"{topic}:{pytensor_release(python)}"
 
 
+def blas_line(python=sys.executable):
+    """One line: the BLAS library and kernel of PyTensor's C backend, NumPy and SciPy (Numba's
+    products) in `python`'s environment, from ``python -m lasagne_accum``."""
+    done = subprocess.run([python, "-m", "lasagne_accum"], cwd=ROOT, capture_output=True,
+                          text=True)
+    lines = done.stdout.splitlines()
+    if "BLAS:" not in lines:
+        return "BLAS not reported (python -m lasagne_accum failed)"
+    start = lines.index("BLAS:") + 1
+    libs = []
+    for line in lines[start:]:
+        if not line.startswith("  ") or line.lstrip().startswith(("JAX", "PyTorch")):
+            break
+        role, _, what = line.strip().partition("  ")
+        libs.append(f"{role}: {what.strip()}")
+    return "BLAS: " + "; ".join(libs)
+
+
 def run(topic, python=sys.executable):
     """Run one topic's benchmark; its record for the store, or None if it failed."""
     _, _, command = TOPICS[topic]
@@ -145,7 +163,7 @@ def run(topic, python=sys.executable):
     return {"date": datetime.date.today().isoformat(), "commit": _git("rev-parse", "--short",
                                                                         "HEAD"),
             "dirty": dirty, "machine": machine(python), "command": "python " + " ".join(command),
-            "output": scrub(done.stdout.rstrip("\n"))}
+            "blas": scrub(blas_line(python)), "output": scrub(done.stdout.rstrip("\n"))}
 
 
 def render(store):
@@ -168,7 +186,8 @@ def render(store):
             release = (f" with PyTensor {key.split(':', 1)[1]}" if ":" in key else "")
             lines += [f"Measured on {record['date']} at commit ``{commit}`` on "
                       f"{record['machine']}{release}; reproduce with ``{record['command']}``.",
-                      "", "::", ""]
+                      "", record.get("blas") or "BLAS and kernel not recorded (measured "
+                      "before the page recorded them).", "", "::", ""]
             lines += ["    " + ln if ln.strip() else ""
                       for ln in scrub(record["output"]).splitlines()]
             lines += [""]

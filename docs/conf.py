@@ -70,8 +70,10 @@ GROUPS = [
      [("lasagne_accum.distributed", None), ("lasagne_accum.distributed.dask", None)]),
     ("Modes and memory", "Compiling with the library's fast paths and fixes, and what fits "
      "in memory (:doc:`backends`, :doc:`devices`).",
-     [("lasagne_accum", ["mode", "default_modes"]),
+     [("lasagne_accum", ["mode", "default_modes", "show_config"]),
       ("lasagne_accum.modes", ["blas_available"]),
+      ("lasagne_accum.machine", ["measured_modes", "ModeChoice", "blas_libraries",
+                                 "generic_kernel"]),
       ("lasagne_accum", ["memory_plan", "MemoryPlan", "step_memory", "StepMemory"]),
       ("lasagne_accum.memory", ["MB"])]),
 ]
@@ -79,6 +81,7 @@ GROUPS = [
 OPTIONAL = ["lasagne_accum.schedules", "lasagne_accum.distributed.dask"]
 #: Modules whose ``__all__`` every group together must cover.
 PUBLIC = ["lasagne_accum", "lasagne_accum.updates", "lasagne_accum.training",
+          "lasagne_accum.machine",
           "lasagne_accum.checkpoint", "lasagne_accum.memory", "lasagne_accum.schedules",
           "lasagne_accum.distributed", "lasagne_accum.distributed.dask"]
 

@@ -121,13 +121,17 @@ def machine_key() -> dict[str, Any]:
             "threads": {v: os.environ.get(v) for v in THREAD_VARS}}
 
 
-def cache_path(key: dict[str, Any]) -> str:
-    """The measurement file for `key`, in a folder beside PyTensor's compile directory."""
+def cache_folder() -> str:
+    """``<pytensor compiledir>/lasagne_accum``: where measurements are kept."""
     import pytensor
 
+    return os.path.join(pytensor.config.compiledir, "lasagne_accum")
+
+
+def cache_path(key: dict[str, Any]) -> str:
+    """The measurement file for `key`."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    folder = os.path.join(pytensor.config.compiledir, "lasagne_accum")
-    return os.path.join(folder, f"default_modes-{digest}.json")
+    return os.path.join(cache_folder(), f"default_modes-{digest}.json")
 
 
 def _valid_times(entry: Any) -> bool:
@@ -207,6 +211,16 @@ def _choose(dtype: str, entry: dict[str, Any], path: str | None,
                       path, libraries)
 
 
+def _fallback(dtype: str, why: str) -> ModeChoice:
+    """The rule used where nothing could be measured: C for the accumulate step where
+    PyTensor links a BLAS, Numba for the apply step."""
+    import pytensor
+
+    accumulate = "CVM" if pytensor.config.blas__ldflags else "NUMBA"
+    return ModeChoice(dtype, accumulate, "NUMBA", {},
+                      f"not measured ({why}); C where a BLAS is linked", None)
+
+
 def measured_modes(dtype: str | None = None, *, remeasure: bool = False) -> ModeChoice:
     """The base modes of the accumulate and apply steps for `dtype`, by measurement.
 
@@ -228,7 +242,8 @@ def measured_modes(dtype: str | None = None, *, remeasure: bool = False) -> Mode
     ModeChoice
         Where the measurement cannot run at all (the child process fails), the
         rule used before measurements (C for the accumulate step where PyTensor
-        links a BLAS, Numba for the apply step), with the reason.
+        links a BLAS, Numba for the apply step), with the reason; a process
+        keeps what it found for the rest of its life.
     """
     import pytensor
 
@@ -243,30 +258,27 @@ def measured_modes(dtype: str | None = None, *, remeasure: bool = False) -> Mode
             return _memo[memo_key]
         lock = _file_lock(path)
         with lock:
-            data = {} if remeasure else _read(path, key)
+            data = _read(path, key)
+            if remeasure:
+                data.get("dtypes", {}).pop(dtype, None)
             if dtype not in data.get("dtypes", {}):
                 try:
                     answer = _probe([dtype])
                 except (OSError, RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
-                    accumulate = "CVM" if pytensor.config.blas__ldflags else "NUMBA"
-                    return ModeChoice(dtype, accumulate, "NUMBA", {},
-                                      f"not measured ({exc}); C where a BLAS is linked", None)
+                    _memo[memo_key] = _fallback(dtype, str(exc))
+                    return _memo[memo_key]
                 entry = answer.get("dtypes", {}).get(dtype)
                 if not _valid_times(entry):
-                    accumulate = "CVM" if pytensor.config.blas__ldflags else "NUMBA"
-                    return ModeChoice(dtype, accumulate, "NUMBA", {},
-                                      "not measured (the probe gave no timings); C where a "
-                                      "BLAS is linked", None)
+                    _memo[memo_key] = _fallback(dtype, "the probe gave no timings")
+                    return _memo[memo_key]
                 data = {"key": key, "dtypes": {**data.get("dtypes", {}), dtype: entry},
                         "libraries": answer.get("libraries") or data.get("libraries", [])}
                 try:
                     _write(path, data)
                 except OSError:
-                    path = None  # a read-only compile directory: measured again next time
-        choice = _choose(dtype, data["dtypes"][dtype], path, data.get("libraries", []))
-        if path is not None:
-            _memo[memo_key] = choice
-        return choice
+                    path = None  # a read-only compile directory: kept for this process only
+        _memo[memo_key] = _choose(dtype, data["dtypes"][dtype], path, data.get("libraries", []))
+        return _memo[memo_key]
 
 
 class _NoLock:

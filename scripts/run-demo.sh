@@ -5,6 +5,10 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 EXTRAS="${EXTRAS:-examples,test}" bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
+# the BLAS set-up.sh chose for PyTensor's C backend, where it wrote one (your own
+# ~/.pytensorrc, on the right, wins)
+rc="${VENV:-.venv}/pytensorrc"; case "$rc" in /*) ;; *) rc="$ROOT/$rc" ;; esac
+if [ -f "$rc" ]; then export PYTENSORRC="$rc:${PYTENSORRC:-$HOME/.pytensorrc}"; fi
 # PyTensor compiles each C op with "-g -O3": debug information nobody reads here, and -O3's
 # extra compile time, which these small kernels do not win back (the table is the same to
 # every digit). Your own PYTENSOR_FLAGS come after, so they win.

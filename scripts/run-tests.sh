@@ -9,4 +9,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 EXTRAS="${EXTRAS:-examples,test,distributed,backends}" bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
+# the BLAS set-up.sh chose for PyTensor's C backend, where it wrote one (your own
+# ~/.pytensorrc, on the right, wins)
+rc="${VENV:-.venv}/pytensorrc"; case "$rc" in /*) ;; *) rc="$ROOT/$rc" ;; esac
+if [ -f "$rc" ]; then export PYTENSORRC="$rc:${PYTENSORRC:-$HOME/.pytensorrc}"; fi
 exec "${VENV:-.venv}/bin/python" -m pytest "$@"

@@ -76,9 +76,46 @@ if [ "$have_meta" != "$meta" ] || [ -n "$missing" ]; then
   printf '%s\n%s\n' "$meta" "$all" > "$stamp"
 fi
 
-# --- check the backend -----------------------------------------------------
-if ! "$VENV/bin/python" -W ignore -c \
-    "import pytensor, sys; sys.exit(0 if pytensor.config.blas__ldflags else 1)"; then
-  echo "setup: warning: PyTensor found no BLAS; the C backend will be slow" \
-       "(lasagne_accum then compiles with Numba only)" >&2
+# --- a BLAS that knows this CPU under PyTensor's C backend ---------------------
+VENV_ABS="$(cd "$VENV" && pwd)"
+rc="$VENV_ABS/pytensorrc"
+blas_choice="${LASAGNE_ACCUM_BLAS:-auto}"
+case "$blas_choice" in auto|mkl|system) ;; *)
+  echo "setup: LASAGNE_ACCUM_BLAS must be auto, mkl or system, got '$blas_choice'" >&2; exit 1 ;;
+esac
+checked="$VENV/.lasagne_accum-blas"   # the choice and package metadata it was checked for
+if [ "$(cat "$checked" 2>/dev/null)" != "$blas_choice $meta" ]; then
+  [ "$blas_choice" = mkl ] || rm -f "$rc"
+  report() {
+    if [ -f "$rc" ]; then PYTENSORRC="$rc:${PYTENSORRC:-$HOME/.pytensorrc}" "$VENV/bin/python" -m lasagne_accum
+    else "$VENV/bin/python" -m lasagne_accum; fi
+  }
+  verdict=0
+  if [ "$blas_choice" != mkl ]; then
+    echo "setup: checking the BLAS of PyTensor's C backend (python -m lasagne_accum)" >&2
+    report || verdict=$?
+  fi
+  if [ "$blas_choice" = mkl ] || { [ "$verdict" -eq 3 ] && [ "$blas_choice" = auto ]; }; then
+    if [ "$(uname -s)-$(uname -m)" != Linux-x86_64 ]; then
+      echo "setup: warning: no fast BLAS to install here (MKL's wheel is for x86_64 Linux);" \
+           "see docs/troubleshooting.rst, 'A slow BLAS'" >&2
+    else
+      echo "setup: installing Intel's MKL wheel into $VENV for PyTensor's C backend" >&2
+      "$VENV/bin/python" -m pip install -q --no-compile mkl
+      mkl="$(ls "$VENV_ABS"/lib/libmkl_rt.so.* 2>/dev/null | sort -V | tail -1)"
+      [ -n "$mkl" ] || { echo "setup: the mkl wheel has no libmkl_rt.so.*" >&2; exit 1; }
+      ln -sf "$(basename "$mkl")" "$VENV_ABS/lib/libmkl_rt.so"
+      printf '[blas]\nldflags = -L%s/lib -lmkl_rt -Wl,-rpath,%s/lib\n' "$VENV_ABS" "$VENV_ABS" > "$rc"
+      report || echo "setup: warning: PyTensor's C backend is still slow with MKL;" \
+                     "default_modes() compiles with Numba where that is faster" >&2
+    fi
+  elif [ "$verdict" -ne 0 ] && [ "$verdict" -ne 3 ]; then
+    echo "setup: python -m lasagne_accum failed (exit $verdict)" >&2; exit 1
+  fi
+  activate="$VENV/bin/activate"
+  sed -i '/# lasagne_accum: PyTensor reads the BLAS set-up/,+1d' "$activate"
+  if [ -f "$rc" ]; then
+    printf '# lasagne_accum: PyTensor reads the BLAS set-up of scripts/setup.sh\nexport PYTENSORRC="%s:${PYTENSORRC:-$HOME/.pytensorrc}"\n' "$rc" >> "$activate"
+  fi
+  echo "$blas_choice $meta" > "$checked"
 fi
