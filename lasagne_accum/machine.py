@@ -27,7 +27,8 @@ from typing import Any
 
 __all__ = ["ModeChoice", "measured_modes", "blas_libraries", "generic_kernel", "show_config"]
 
-#: Bumped when the probe changes what it measures: older files are then stale.
+#: Bumped when the probe changes what it measures (an edit of its code or of the fast
+#: paths makes older files stale anyway: :func:`machine_key` holds their hash).
 PROBE_VERSION = 2
 BACKENDS = ("CVM", "NUMBA")
 DTYPES = ("float32", "float64")
@@ -104,8 +105,23 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def _code_key() -> str:
+    """A hash of the code a measurement runs: the probe and the fast paths of our modes."""
+    import glob
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    files = [os.path.join(here, "_probe.py"), os.path.join(here, "modes.py"),
+             *sorted(glob.glob(os.path.join(here, "_pytensor", "*.py")))]
+    digest = hashlib.sha256()
+    for path in files:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
 def machine_key() -> dict[str, Any]:
-    """Everything a measurement depends on: the machine, the releases, the BLAS, the threads."""
+    """Everything a measurement depends on: the machine, the releases, the BLAS, the threads,
+    the library's code."""
     import numba
     import numpy
     import pytensor
@@ -113,7 +129,7 @@ def machine_key() -> dict[str, Any]:
 
     from . import __version__
 
-    return {"probe": PROBE_VERSION, "lasagne_accum": __version__,
+    return {"probe": PROBE_VERSION, "lasagne_accum": __version__, "code": _code_key(),
             "python": platform.python_version(), "platform": platform.platform(),
             "cpu": cpu_name(), "cpus": os.cpu_count(), "pytensor": pytensor.__version__,
             "numba": numba.__version__, "numpy": numpy.__version__, "scipy": scipy.__version__,
@@ -382,8 +398,9 @@ def report_lines(dtypes: tuple[str, ...] = DTYPES) -> tuple[list[str], list[str]
     if torch is None:
         lines.append("  PyTorch              not installed")
     else:
-        blas = next((part.split("=", 1)[1] for part in torch.__config__.show().split()
-                     if part.startswith("BLAS_INFO=")), "unknown")
+        blas = next((part.split("=", 1)[1].rstrip(",") for part in
+                     torch.__config__.show().split() if part.startswith("BLAS_INFO=")),
+                    "unknown")
         lines.append(f"  PyTorch              {torch.__version__}, BLAS {blas}; CUDA "
                      f"{'available' if torch.cuda.is_available() else 'not available'}")
     lines.append("default_modes():")
