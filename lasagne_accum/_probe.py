@@ -23,6 +23,7 @@ while and would slow the other BLAS's threads); the medians decide.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -143,7 +144,7 @@ def main():
     if request.get("blas__ldflags") is not None:
         pytensor.config.blas__ldflags = request["blas__ldflags"]
     before = libraries()
-    answer = {"dtypes": {}}
+    answer = {"dtypes": {}, "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
     for i, dtype in enumerate(request["dtypes"]):
         answer["dtypes"][dtype] = measure(dtype)
         if i == 0:  # the C step of the first dtype has loaded the C backend's BLAS

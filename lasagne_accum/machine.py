@@ -22,7 +22,7 @@ import platform
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 __all__ = ["ModeChoice", "measured_modes", "blas_libraries", "generic_kernel", "show_config"]
@@ -63,6 +63,9 @@ class ModeChoice:
         The file the measurement is kept in.
     libraries : list of dict
         The BLAS libraries the probe saw (see :func:`blas_libraries`).
+    load : float or None
+        The machine's 1-minute load average when it was measured (a busy machine
+        slows a threaded BLAS most).
     """
 
     dtype: str
@@ -72,6 +75,7 @@ class ModeChoice:
     reason: str = ""
     path: str | None = None
     libraries: list = field(default_factory=list)
+    load: float | None = None
 
     @property
     def modes(self) -> tuple[str, str]:
@@ -288,12 +292,16 @@ def measured_modes(dtype: str | None = None, *, remeasure: bool = False) -> Mode
                     _memo[memo_key] = _fallback(dtype, "the probe gave no timings")
                     return _memo[memo_key]
                 data = {"key": key, "dtypes": {**data.get("dtypes", {}), dtype: entry},
-                        "libraries": answer.get("libraries") or data.get("libraries", [])}
+                        "libraries": answer.get("libraries") or data.get("libraries", []),
+                        "load": answer.get("load")}
                 try:
                     _write(path, data)
                 except OSError:
                     path = None  # a read-only compile directory: kept for this process only
-        _memo[memo_key] = _choose(dtype, data["dtypes"][dtype], path, data.get("libraries", []))
+        load = data.get("load")
+        _memo[memo_key] = replace(
+            _choose(dtype, data["dtypes"][dtype], path, data.get("libraries", [])),
+            load=float(load) if isinstance(load, (int, float)) else None)
         return _memo[memo_key]
 
 
@@ -342,10 +350,12 @@ def blas_libraries(libraries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _describe(lib: dict[str, Any]) -> str:
-    kernel = lib.get("architecture") or lib.get("threading_layer") or "kernel not reported"
+    kernel = lib.get("architecture") or (
+        "chosen at run time" if lib.get("internal_api") == "mkl" else "not reported")
+    layer = f" ({lib['threading_layer']})" if lib.get("threading_layer") else ""
     name = os.path.basename(str(lib.get("filepath") or "?"))
     return (f"{lib.get('internal_api')} {lib.get('version')}, kernel {kernel}, "
-            f"{lib.get('num_threads')} threads ({name})")
+            f"{lib.get('num_threads')} threads{layer}, {name}")
 
 
 def _optional(name: str):
@@ -408,7 +418,10 @@ def report_lines(dtypes: tuple[str, ...] = DTYPES) -> tuple[list[str], list[str]
         lines.append(f"  {choice.dtype}: accumulate {choice.accumulate}, apply {choice.apply}"
                      f" -- {choice.reason}")
     if choices[0].path:
-        lines.append(f"  kept in {choices[0].path}")
+        load = choices[0].load
+        lines.append(f"  kept in {choices[0].path}" + (
+            f" (measured at a 1-minute load average of {load:.2f} on {os.cpu_count()} CPUs: "
+            "delete the file to measure again)" if load is not None else ""))
     slow = [c for c in choices if "CVM" in c.times.get("accumulate", {})
             and "NUMBA" in c.times["accumulate"]
             and c.times["accumulate"]["CVM"] > SLOW_RATIO * c.times["accumulate"]["NUMBA"]]
