@@ -43,7 +43,7 @@ STEPS = ("accumulate", "apply")
 def libraries():
     """The BLAS and OpenMP libraries this process has loaded (threadpoolctl), or None."""
     try:
-        from threadpoolctl import threadpool_info
+        from threadpoolctl import threadpool_info  # type: ignore[import-untyped]
     except ImportError:
         return None
     keys = ("user_api", "internal_api", "prefix", "filepath", "version", "architecture",

@@ -272,6 +272,7 @@ def measured_modes(dtype: str | None = None, *, remeasure: bool = False) -> Mode
         raise ValueError(f"default_modes(): dtype must be one of {DTYPES}, got {dtype!r}")
     key = machine_key()
     path = cache_path(key)
+    kept: str | None = path
     memo_key = (path, dtype)
     with _lock:
         if not remeasure and memo_key in _memo:
@@ -297,10 +298,10 @@ def measured_modes(dtype: str | None = None, *, remeasure: bool = False) -> Mode
                 try:
                     _write(path, data)
                 except OSError:
-                    path = None  # a read-only compile directory: kept for this process only
+                    kept = None  # a read-only compile directory: kept for this process only
         load = data.get("load")
         _memo[memo_key] = replace(
-            _choose(dtype, data["dtypes"][dtype], path, data.get("libraries", [])),
+            _choose(dtype, data["dtypes"][dtype], kept, data.get("libraries", [])),
             load=float(load) if isinstance(load, (int, float)) else None)
         return _memo[memo_key]
 
