@@ -245,3 +245,7 @@ def test_performance_page_topics_name_existing_scripts(tmp_path, monkeypatch):
     assert "Measured on 2026-01-02 at commit ``abc1234 with local changes`` on m" in text
     assert "    a table\n\n      row 1.5" in text
     assert text.count("Not measured yet.") == len(page.TOPICS) - 1
+    assert "BLAS and kernel not recorded" in text               # a run from before
+    blas = "BLAS: C backend: openblas 0.3.21, kernel Prescott"
+    text = open(page.render({"inplace": dict(record, blas=blas)})).read()
+    assert f"\n{blas}\n\n::\n\n    a table" in text
