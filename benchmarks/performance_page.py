@@ -128,20 +128,12 @@ def store_key(topic, python):
 
 def blas_line(python=sys.executable):
     """One line: the BLAS library and kernel of PyTensor's C backend, NumPy and SciPy (Numba's
-    products) in `python`'s environment, from ``python -m lasagne_accum``."""
-    done = subprocess.run([python, "-m", "lasagne_accum"], cwd=ROOT, capture_output=True,
-                          text=True)
-    lines = done.stdout.splitlines()
-    if "BLAS:" not in lines:
-        return "BLAS not reported (python -m lasagne_accum failed)"
-    start = lines.index("BLAS:") + 1
-    libs = []
-    for line in lines[start:]:
-        if not line.startswith("  ") or line.lstrip().startswith(("JAX", "PyTorch")):
-            break
-        role, _, what = line.strip().partition("  ")
-        libs.append(f"{role}: {what.strip()}")
-    return "BLAS: " + "; ".join(libs)
+    products) in `python`'s environment (``lasagne_accum.machine.blas_summary``)."""
+    done = subprocess.run([python, "-c", "from lasagne_accum.machine import blas_summary; "
+                           "print(blas_summary())"], cwd=ROOT, capture_output=True, text=True)
+    if done.returncode:
+        return "BLAS not reported (lasagne_accum.machine.blas_summary failed)"
+    return "BLAS: " + done.stdout.strip()
 
 
 def run(topic, python=sys.executable):

@@ -72,7 +72,7 @@ GROUPS = [
      "in memory (:doc:`backends`, :doc:`devices`).",
      [("lasagne_accum", ["mode", "default_modes", "show_config"]),
       ("lasagne_accum.modes", ["blas_available"]),
-      ("lasagne_accum.machine", ["measured_modes", "ModeChoice", "blas_libraries",
+      ("lasagne_accum.machine", ["measured_modes", "ModeChoice", "blas_libraries", "blas_summary",
                                  "generic_kernel"]),
       ("lasagne_accum", ["memory_plan", "MemoryPlan", "step_memory", "StepMemory"]),
       ("lasagne_accum.memory", ["MB"])]),

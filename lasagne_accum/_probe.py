@@ -15,9 +15,10 @@ The two steps are small versions of what :func:`compile_accumulation`
 compiles: the accumulate step is two dense layers' forward pass and their
 weight gradients added into buffers (the matrix products of a forward and a
 backward pass, each weight gradient a ``Gemm`` into its buffer); the apply
-step is :func:`lasagne_accum.adam` on those buffers and their reset. Each backend runs in blocks of calls, the blocks
-alternating with a pause between them (a BLAS's idle threads spin for a
-while and would slow the other BLAS's threads); the medians decide.
+step is :func:`lasagne_accum.adam` on those buffers and their reset. Each
+backend runs in blocks of calls, the blocks alternating with a pause between
+them (a BLAS's idle threads spin for a while and would slow the other BLAS's
+threads); the medians decide.
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ def _per_call(fn, args):
 
 
 def measure(dtype):
-    """``{step: {"CVM": ms, "NUMBA": ms, "ratio": C/Numba}}``, plus an ``"error"`` per backend
-    that failed to compile (the other backend then wins)."""
+    """``{step: {"CVM": ms, "NUMBA": ms}}``, plus an ``"error"`` per backend that failed to
+    compile (the other backend then wins)."""
     import statistics
 
     import pytensor
@@ -110,8 +111,6 @@ def measure(dtype):
                 fn(*args)
                 times[backend] += [_per_call(fn, args) for _ in range(ROUNDS)]
         entry = {b: 1000 * statistics.median(t) for b, t in times.items()}
-        if len(fns) == 2:
-            entry["ratio"] = entry["CVM"] / entry["NUMBA"]
         if errors:
             entry["error"] = errors
         result[step] = entry

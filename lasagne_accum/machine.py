@@ -14,6 +14,8 @@ kernel, and what :func:`~lasagne_accum.default_modes` picked and why.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -25,7 +27,8 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-__all__ = ["ModeChoice", "measured_modes", "blas_libraries", "generic_kernel", "show_config"]
+__all__ = ["ModeChoice", "measured_modes", "blas_libraries", "blas_summary", "generic_kernel",
+           "show_config"]
 
 #: Bumped when the probe changes what it measures (an edit of its code or of the fast
 #: paths makes older files stale anyway: :func:`machine_key` holds their hash).
@@ -85,6 +88,7 @@ class ModeChoice:
 # --------------------------------------------------------------------------
 # the measurement and its file
 # --------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
 def cpu_name() -> str:
     """The CPU's model name (``/proc/cpuinfo``), else what :mod:`platform` says."""
     try:
@@ -97,6 +101,7 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+@functools.lru_cache(maxsize=None)
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (``/proc/cpuinfo``; empty where there is none)."""
     try:
@@ -109,6 +114,7 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@functools.lru_cache(maxsize=None)
 def _code_key() -> str:
     """A hash of the code a measurement runs: the probe and the fast paths of our modes."""
     import glob
@@ -234,9 +240,9 @@ def _choose(dtype: str, entry: dict[str, Any], path: str | None,
 def _fallback(dtype: str, why: str) -> ModeChoice:
     """The rule used where nothing could be measured: C for the accumulate step where
     PyTensor links a BLAS, Numba for the apply step."""
-    import pytensor
+    from .modes import blas_available
 
-    accumulate = "CVM" if pytensor.config.blas__ldflags else "NUMBA"
+    accumulate = "CVM" if blas_available() else "NUMBA"
     return ModeChoice(dtype, accumulate, "NUMBA", {},
                       f"not measured ({why}); C where a BLAS is linked", None)
 
@@ -306,24 +312,16 @@ def measured_modes(dtype: str | None = None, *, remeasure: bool = False) -> Mode
         return _memo[memo_key]
 
 
-class _NoLock:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _file_lock(path: str):
     """A lock on the measurement file, so that processes started together measure once."""
     try:
         from filelock import FileLock
     except ImportError:  # pragma: no cover - filelock comes with PyTensor
-        return _NoLock()
+        return contextlib.nullcontext()
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
     except OSError:
-        return _NoLock()
+        return contextlib.nullcontext()
     return FileLock(path + ".lock", timeout=900)
 
 
@@ -359,16 +357,35 @@ def _describe(lib: dict[str, Any]) -> str:
             f"{lib.get('num_threads')} threads{layer}, {name}")
 
 
-def _optional(name: str):
-    import importlib.util
+def blas_summary(libraries: list[dict[str, Any]] | None = None) -> str:
+    """One line naming each BLAS the backends run, with its kernel: ``"C backend: openblas
+    0.3.21, kernel Prescott, ...; NumPy: ...; SciPy (Numba's dot): ..."`` (the libraries the
+    float32 measurement saw, by default). The performance page puts it above each table."""
+    if libraries is None:
+        libraries = measured_modes("float32").libraries
+    libs = blas_libraries(libraries)
+    parts = [f"{lib['role']}: {_describe(lib)}" for lib in sorted(libs, key=lambda x: x["role"])]
+    if not any(lib["role"] == "C backend" for lib in libs):
+        parts.append(f"C backend: {_unidentified_c_blas()}")
+    return "; ".join(parts)
 
-    if importlib.util.find_spec(name) is None:
-        return None
+
+def _unidentified_c_blas() -> str:
+    import pytensor
+
+    if not pytensor.config.blas__ldflags:
+        return "no BLAS linked: matrix products through NumPy's C API"
+    return ("not identified (a BLAS threadpoolctl does not know, for example the reference "
+            "BLAS)")
+
+
+def _optional(name: str):
+    """The module `name`, or None where it is not installed or does not import."""
     import importlib
 
     try:
         return importlib.import_module(name)
-    except Exception:  # a broken install: the report says so instead of failing
+    except Exception:  # not installed, or a broken install: the report says so
         return None
 
 
@@ -398,11 +415,8 @@ def report_lines(dtypes: tuple[str, ...] = DTYPES) -> tuple[list[str], list[str]
     for lib in sorted(libs, key=lambda lib: lib["role"]):
         lines.append(f"  {lib['role']:<20} {_describe(lib)}"
                      + ("  <- generic kernel" if lib["generic"] else ""))
-    if not pytensor.config.blas__ldflags:
-        lines.append("  C backend            no BLAS linked: matrix products through NumPy's C API")
-    elif not c_libs:
-        lines.append("  C backend            not identified (a BLAS threadpoolctl does not "
-                     "know, for example the reference BLAS)")
+    if not c_libs:
+        lines.append(f"  {'C backend':<20} {_unidentified_c_blas()}")
     jax = _optional("jax")
     lines.append(f"  JAX                  {'not installed' if jax is None else 'XLA own kernels; devices ' + str(jax.devices())}")
     torch = _optional("torch")
@@ -426,9 +440,10 @@ def report_lines(dtypes: tuple[str, ...] = DTYPES) -> tuple[list[str], list[str]
     slow = [c for c in choices if "CVM" in c.times.get("accumulate", {})
             and "NUMBA" in c.times["accumulate"]
             and c.times["accumulate"]["CVM"] > SLOW_RATIO * c.times["accumulate"]["NUMBA"]]
-    if any(lib["generic"] for lib in c_libs) or slow:
-        what = ("runs a generic kernel" if any(lib["generic"] for lib in c_libs) else
-                "runs the accumulate probe more than 1.5x slower than Numba")
+    generic = any(lib["generic"] for lib in c_libs)
+    if generic or slow:
+        what = ("runs a generic kernel" if generic else
+                f"runs the accumulate probe more than {SLOW_RATIO}x slower than Numba")
         warnings.append(
             f"warning: PyTensor's C backend BLAS {what}. default_modes() compiles with Numba "
             "where that is faster; to make the C backend fast, run the README's set-up "

@@ -23,6 +23,12 @@ def _entry(acc_c, acc_n, apply_c, apply_n):
             "apply": {"CVM": apply_c, "NUMBA": apply_n}}
 
 
+def _library(version, arch):
+    return {"user_api": "blas", "internal_api": "openblas",
+            "filepath": f"/x/libopenblasp-r{version}.so", "version": version,
+            "architecture": arch, "num_threads": 1, "role": "C backend"}
+
+
 @pytest.fixture
 def compiledir(tmp_path, monkeypatch):
     """A compile directory of the test's own, a fresh in-process memo, and a counted probe
@@ -32,13 +38,10 @@ def compiledir(tmp_path, monkeypatch):
 
     def probe(dtypes):
         calls.append(list(dtypes))
-        return {"dtypes": {d: probe.answer for d in dtypes},
-                "libraries": [{"user_api": "blas", "internal_api": "openblas",
-                               "filepath": "/x/libopenblasp-r0.3.21.so", "version": "0.3.21",
-                               "architecture": "Prescott", "num_threads": 1,
-                               "role": "C backend"}]}
+        return {"dtypes": {d: probe.answer for d in dtypes}, "libraries": probe.libraries}
 
     probe.answer = _entry(1.0, 2.0, 3.0, 1.0)
+    probe.libraries = [_library("0.3.21", "Prescott")]
     probe.calls = calls
     monkeypatch.setattr(machine, "_probe", probe)
     monkeypatch.setattr(machine, "cache_folder", lambda: str(tmp_path))
@@ -187,24 +190,19 @@ def test_report_names_each_backend_blas_and_warns_on_a_generic_kernel(compiledir
 
 
 def test_report_without_warnings_exits_0(compiledir, capsys):
+    from lasagne_accum.__main__ import main
+
     compiledir.answer = _entry(1.0, 2.0, 3.0, 1.0)
-    compiledir_libs = [{"user_api": "blas", "internal_api": "openblas", "filepath": "/x/l.so",
-                        "version": "0.3.30", "architecture": "SkylakeX", "num_threads": 1,
-                        "role": "C backend"}]
-    answer = compiledir
-
-    def probe(dtypes):
-        answer.calls.append(dtypes)
-        return {"dtypes": {d: answer.answer for d in dtypes}, "libraries": compiledir_libs}
-
-    machine._probe, saved = probe, machine._probe
-    try:
-        from lasagne_accum.__main__ import main
-
-        assert main([]) == (0 if pytensor.config.blas__ldflags else 3)
-    finally:
-        machine._probe = saved
+    compiledir.libraries = [_library("0.3.30", "SkylakeX")]
+    assert main([]) == (0 if pytensor.config.blas__ldflags else 3)
     assert "kernel SkylakeX" in capsys.readouterr().out
+
+
+def test_blas_summary_is_one_line_per_run(compiledir):
+    line = machine.blas_summary()
+    assert line.startswith("C backend: openblas 0.3.21, kernel Prescott, 1 threads")
+    assert "\n" not in line
+    assert machine.blas_summary([]).startswith("C backend: ")
 
 
 @pytest.mark.real_backend
