@@ -19,6 +19,7 @@ from .checkpoint import collect_state, load_state, save_state
 from .memory import MemoryPlan, StepMemory, memory_plan, step_memory
 from .machine import show_config
 from .merge import merge_updates
+from .noise import FollowNoiseScale, GradientNoise, NoiseEstimate, gradient_noise
 from .model_average import ExponentialMovingAverage, ModelAverage
 from .modes import default_modes, mode
 from .single_function import SteppingUpdates, with_accumulated_gradients
@@ -31,6 +32,10 @@ __all__ += [
     "schedules",
     "accumulate_gradients",
     "reset",
+    "gradient_noise",
+    "GradientNoise",
+    "NoiseEstimate",
+    "FollowNoiseScale",
     "Accumulation",
     "with_accumulated_gradients",
     "SteppingUpdates",

@@ -100,7 +100,7 @@ class _GradientBuffer:
     """
 
     def __init__(self, loss_or_grads, params, *, average, weight, max_norm, skip_nonfinite,
-                 name, default_name, where):
+                 name, default_name, where, noise_scale=False):
         params = check_params(params)
         grads = get_or_compute_grads(loss_or_grads, params)
         if not params:
@@ -155,6 +155,21 @@ class _GradientBuffer:
                                               np.zeros((), self.total_dtype))
             self.finite = finite
         self.contributions = contributions
+        self.grad_sq = None
+        self.added_grad_sq = None
+        if not isinstance(noise_scale, (bool, np.bool_)):
+            raise TypeError(f"noise_scale must be True or False, got {noise_scale!r}")
+        if noise_scale:
+            if self.weight is None:
+                raise ValueError(
+                    f"{where}(): noise_scale=True needs weight= (the number of examples in "
+                    "each micro-batch): the gradient noise scale is measured in examples")
+            # |g_k|^2 of this micro-batch's mean gradient g_k = c_k / w_k, times w_k: the
+            # count-weighted sum of squared norms (a skipped batch's contributions are 0)
+            w = pt.cast(self.weight, self.total_dtype)
+            sq = pt.add(*[pt.sqr(pt.cast(c, self.total_dtype)).sum() for c in contributions])
+            self.grad_sq = scalar_state(f"{name}.grad_sq", self.total_dtype)
+            self.added_grad_sq = sq / w
 
     def counter_updates(self, updates):
         """Add the skipped counter's update (skipped batches are never reset)."""
@@ -269,6 +284,11 @@ class Accumulation:
         a gradient was not finite (never reset).
     accumulators : list of shared variables
         One buffer per parameter (``W.grad_accu``), float32 at least.
+    grad_sq : shared float scalar or None
+        With ``noise_scale=True``: ``sum_k w_k |g_k|^2`` over the window's
+        micro-batches (``g_k`` a micro-batch's mean gradient, ``w_k`` its
+        weight), what :func:`lasagne_accum.gradient_noise` needs besides the
+        buffers; reset with them.
     params : list of shared variables
     is_step : symbolic boolean scalar
         The step signal of the apply function: ``count > 0``. Pass it as
@@ -287,6 +307,7 @@ class Accumulation:
     accumulators: list[SharedVariable]
     params: list[SharedVariable]
     is_step: TensorVariable
+    grad_sq: SharedVariable | None = None
 
     def __iter__(self) -> Iterator[OrderedDict]:
         return iter((self.accumulate, self.reset))
@@ -335,6 +356,7 @@ def accumulate_gradients(
     weight: Scalar | None = None,
     max_norm: Scalar | None = None,
     skip_nonfinite: bool = False,
+    noise_scale: bool = False,
     name: str = "accumulate",
 ) -> Accumulation:
     """Accumulate gradients over mini-batches for a later update.
@@ -373,6 +395,12 @@ def accumulate_gradients(
         If True, a batch whose weighted gradients contain NaN or inf (what
         would enter the buffer) adds nothing and counts nothing; `skipped`
         counts such batches.
+    noise_scale : bool
+        If True, also keep ``grad_sq`` (one scalar: the weighted sum of each
+        micro-batch's squared gradient norm, a skipped batch adding nothing),
+        so that :func:`lasagne_accum.gradient_noise` can estimate the gradient
+        noise scale from the window. Needs `weight` (the number of examples
+        in each micro-batch).
     name : str
         Prefix of the counters' names (``accumulate.count``); any other name
         than the default also prefixes the buffers (``W.enc_grad_accu`` with
@@ -395,7 +423,8 @@ def accumulate_gradients(
     ValueError
         If `loss_or_grads` is a list of the wrong length, a gradient's shape
         does not match its parameter, a parameter is repeated, the loss does
-        not depend on a parameter, or a numeric `weight` is not positive.
+        not depend on a parameter, a numeric `weight` is not positive, or
+        `noise_scale` is given without `weight`.
 
     Notes
     -----
@@ -433,7 +462,8 @@ def accumulate_gradients(
     """
     core = _GradientBuffer(loss_or_grads, params, average=average, weight=weight,
                            max_norm=max_norm, skip_nonfinite=skip_nonfinite, name=name,
-                           default_name="accumulate", where="accumulate_gradients")
+                           default_name="accumulate", where="accumulate_gradients",
+                           noise_scale=noise_scale)
     count, total = core.count, core.total
     accumulate = AccumulateUpdates()
     for acc, c in zip(core.accumulators, core.contributions):
@@ -441,6 +471,8 @@ def accumulate_gradients(
     accumulate[count] = count + core.increment
     if total is not None:
         accumulate[total] = total + core.added_weight
+    if core.grad_sq is not None:
+        accumulate[core.grad_sq] = core.grad_sq + core.added_grad_sq
     core.counter_updates(accumulate)
 
     out_grads, norm = core.gradients(core.accumulators, count if total is None else total)
@@ -455,11 +487,12 @@ def accumulate_gradients(
         (acc, pt.switch(nonempty, pt.constant(np.zeros((), acc.type.dtype)), acc))
         for acc in core.accumulators
     )
-    reset_updates.update(reset([count] + ([total] if total is not None else [])))
+    reset_updates.update(reset([count] + [v for v in (total, core.grad_sq) if v is not None]))
     result = Accumulation(
         accumulate=accumulate, reset=reset_updates, grads=out_grads, norm=norm, count=count,
         total=total if total is not None else count, skipped=core.skipped,
         accumulators=core.accumulators, params=core.params, is_step=nonempty,
+        grad_sq=core.grad_sq,
     )
     for g in out_grads:
         g.tag.accumulation = result

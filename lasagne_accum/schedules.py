@@ -6,6 +6,14 @@ Pass any of them as ``learning_rate=`` to a rule of
 advances it once per optimizer step (once per apply in the two-function
 form, once per stepping call with ``average=N``), never per mini-batch.
 
+Every schedule takes ``unit="steps"`` (default) or ``unit="examples"``: keyed
+in examples, the rule's counter advances by each window's total weight (the
+rule must be given ``accu.grads`` of ``accumulate_gradients(..., weight=...)``),
+so that a schedule stays where it was meant to be in the data when the batch
+size changes during training (a batch-size ramp through
+``compile_accumulation(every=callable)``); its arguments (``warmup_steps``,
+``decay_steps``, boundaries) then count examples.
+
 Every schedule here has the definition and the argument meanings of optax's
 schedule of the same purpose (``optax.constant_schedule``,
 ``optax.linear_schedule``, ``optax.cosine_decay_schedule``,
@@ -44,6 +52,13 @@ from pytensor.graph.basic import Variable
 from ._checks import check_number
 
 
+def _unit(unit: Any) -> str:
+    """A schedule's `unit`: ``"steps"`` (its argument counts optimizer steps) or ``"examples"``."""
+    if unit not in ("steps", "examples"):
+        raise ValueError(f"unit must be 'steps' or 'examples', got {unit!r}")
+    return unit
+
+
 def _steps(value: Any, name: str, **bounds: Any) -> int:
     """A number of steps (or examples): an integer, or a float with an integral value."""
     return check_number(value, name, integer=True, integral_float=True, **bounds)
@@ -60,6 +75,7 @@ __all__ = [
     "piecewise_constant",
     "exponential_decay",
     "linear_scaling",
+    "sqrt_scaling",
 ]
 
 
@@ -144,8 +160,9 @@ class constant(Schedule):
     (0.1, 0.1)
     """
 
-    def __init__(self, value: float) -> None:
+    def __init__(self, value: float, *, unit: str = "steps") -> None:
         self.value = check_number(value, "value")
+        self.unit = _unit(unit)
 
     def _value(self, step, ops):
         return self.value
@@ -189,7 +206,10 @@ class linear_warmup(Schedule):
         peak_value: float,
         warmup_steps: int,
         transition_begin: int = 0,
+        *,
+        unit: str = "steps",
     ) -> None:
+        self.unit = _unit(unit)
         self.init_value = check_number(init_value, "init_value")
         self.peak_value = check_number(peak_value, "peak_value")
         self.warmup_steps = _steps(warmup_steps, "warmup_steps")
@@ -243,7 +263,10 @@ class cosine_decay(Schedule):
         decay_steps: int,
         alpha: float = 0.0,
         exponent: float = 1.0,
+        *,
+        unit: str = "steps",
     ) -> None:
+        self.unit = _unit(unit)
         self.init_value = check_number(init_value, "init_value")
         self.decay_steps = _steps(decay_steps, "decay_steps", low=0,
                                    low_open=True)
@@ -305,7 +328,10 @@ class warmup_cosine_decay(Schedule):
         decay_steps: int,
         end_value: float = 0.0,
         exponent: float = 1.0,
+        *,
+        unit: str = "steps",
     ) -> None:
+        self.unit = _unit(unit)
         self.init_value = check_number(init_value, "init_value")
         self.peak_value = check_number(peak_value, "peak_value")
         self.warmup_steps = _steps(warmup_steps, "warmup_steps", low=0)
@@ -359,7 +385,10 @@ class piecewise_constant(Schedule):
         self,
         init_value: float,
         boundaries_and_scales: Mapping[int, float] | None = None,
+        *,
+        unit: str = "steps",
     ) -> None:
+        self.unit = _unit(unit)
         self.init_value = check_number(init_value, "init_value")
         if boundaries_and_scales is None:
             boundaries_and_scales = {}
@@ -428,7 +457,10 @@ class exponential_decay(Schedule):
         transition_begin: int = 0,
         staircase: bool = False,
         end_value: float | None = None,
+        *,
+        unit: str = "steps",
     ) -> None:
+        self.unit = _unit(unit)
         self.init_value = check_number(init_value, "init_value")
         self.transition_steps = _steps(transition_steps, "transition_steps")
         self.decay_rate = check_number(decay_rate, "decay_rate")
@@ -453,25 +485,48 @@ class exponential_decay(Schedule):
 
 
 class _Scaled(Schedule):
-    def __init__(self, schedule, factor):
+    """A schedule times a constant `factor`; with `batch_power`, the rule also multiplies
+    it by ``(B / base_batch_size) ** batch_power``, B the window's run-time batch."""
+
+    def __init__(self, schedule, factor, base_batch_size=None, batch_power=None):
         self.schedule, self.factor = schedule, factor
+        self.base_batch_size, self.batch_power = base_batch_size, batch_power
+
+    @property
+    def unit(self):
+        return getattr(self.schedule, "unit", "steps")
 
     def __call__(self, step):
         return self.schedule(step) * self.factor
+
+
+def _batch_scaling(base_lr, base_batch_size, batch_size, power):
+    """Both scaling rules: ``base_lr * (batch_size / base_batch_size) ** power``."""
+    base_batch_size = _steps(base_batch_size, "base_batch_size", low=1)
+    if batch_size is None:   # the window's batch, read by the rule at run time
+        schedule = base_lr if callable(base_lr) else constant(
+            check_number(base_lr, "base_lr", low=0))
+        return _Scaled(schedule, 1.0, base_batch_size, power)
+    batch_size = _steps(batch_size, "batch_size", low=1)
+    factor = (batch_size / base_batch_size) ** power
+    if callable(base_lr):
+        return _Scaled(base_lr, factor)
+    rate = check_number(base_lr, "base_lr", low=0)
+    return rate * factor
 
 
 @overload
 def linear_scaling(base_lr: float, base_batch_size: int, batch_size: int) -> float: ...
 @overload
 def linear_scaling(
-    base_lr: Callable[[Any], Any], base_batch_size: int, batch_size: int
+    base_lr: float | Callable[[Any], Any], base_batch_size: int, batch_size: int | None
 ) -> Schedule: ...
 
 
 def linear_scaling(
     base_lr: float | Callable[[Any], Any],
     base_batch_size: int,
-    batch_size: int,
+    batch_size: int | None,
 ) -> float | Schedule:
     """The linear scaling rule of Goyal et al. [1]_ for a larger batch.
 
@@ -490,18 +545,27 @@ def linear_scaling(
         every step.
     base_batch_size : int
         The batch size `base_lr` was tuned for (>= 1).
-    batch_size : int
-        The (effective) batch size to train with (>= 1).
+    batch_size : int or None
+        The (effective) batch size to train with (>= 1). None: the batch of
+        each window at run time, the accumulation's total weight (a rule given
+        ``accu.grads`` of ``accumulate_gradients(..., weight=...)``), so that
+        the rate follows a batch-size schedule (``compile_accumulation(every=
+        callable)``).
 
     Returns
     -------
     float or schedule
-        The scaled learning rate, of the kind of `base_lr`.
+        The scaled learning rate, of the kind of `base_lr`; a schedule when
+        `batch_size` is None.
 
     Raises
     ------
     ValueError
         If a batch size is < 1 or `base_lr` is negative.
+
+    See Also
+    --------
+    sqrt_scaling : the square-root rule.
 
     References
     ----------
@@ -516,9 +580,54 @@ def linear_scaling(
     >>> warm(0), warm(5)
     (0.0, 1.6)
     """
-    base_batch_size = _steps(base_batch_size, "base_batch_size", low=1)
-    batch_size = _steps(batch_size, "batch_size", low=1)
-    if callable(base_lr):
-        return _Scaled(base_lr, batch_size / base_batch_size)
-    rate = check_number(base_lr, "base_lr", low=0)
-    return rate * batch_size / base_batch_size
+    return _batch_scaling(base_lr, base_batch_size, batch_size, 1.0)
+
+
+@overload
+def sqrt_scaling(base_lr: float, base_batch_size: int, batch_size: int) -> float: ...
+@overload
+def sqrt_scaling(
+    base_lr: float | Callable[[Any], Any], base_batch_size: int, batch_size: int | None
+) -> Schedule: ...
+
+
+def sqrt_scaling(
+    base_lr: float | Callable[[Any], Any],
+    base_batch_size: int,
+    batch_size: int | None,
+) -> float | Schedule:
+    """The square-root scaling rule (Krizhevsky [1]_, Hoffer et al. [2]_) for a larger batch.
+
+    * ``lr = base_lr * sqrt(batch_size / base_batch_size)``
+
+    Keeps the variance of the update the same when the batch grows (the
+    mean gradient's variance falls as ``1 / batch_size``), where
+    :func:`linear_scaling` keeps the expected update per example the same.
+
+    Parameters
+    ----------
+    base_lr, base_batch_size, batch_size
+        As for :func:`linear_scaling` (None: each window's run-time batch).
+
+    Returns
+    -------
+    float or schedule
+
+    Raises
+    ------
+    ValueError
+        If a batch size is < 1 or `base_lr` is negative.
+
+    References
+    ----------
+    .. [1] Krizhevsky, A. (2014): One weird trick for parallelizing
+       convolutional neural networks. arXiv:1404.5997.
+    .. [2] Hoffer, E., Hubara, I. and Soudry, D. (2017): Train longer,
+       generalize better. arXiv:1705.08741.
+
+    Examples
+    --------
+    >>> sqrt_scaling(0.1, 64, 256)
+    0.2
+    """
+    return _batch_scaling(base_lr, base_batch_size, batch_size, 0.5)

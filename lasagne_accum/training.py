@@ -20,6 +20,7 @@ from ._checks import check_int, check_rule_updates
 from .accumulate import accumulate_gradients
 from .merge import merge_updates
 from .modes import default_modes, float_dtype, mode as la_mode
+from .noise import NoiseEstimate, gradient_noise
 from .progress import Progress
 
 if TYPE_CHECKING:
@@ -85,10 +86,26 @@ class AccumulationTrainer:
     accumulation : Accumulation
         The result of :func:`accumulate_gradients` (``.count``, ``.grads``,
         ``.skipped``...).
-    every : int
-        Batches per optimizer step.
+    every : int or callable
+        Batches per optimizer step, or the callable of the examples seen that
+        gives each window's number of batches (see :func:`compile_accumulation`).
+    window : int
+        The number of batches of the window now filling, or of the last one
+        between windows (``every``, or what the callable returned at the
+        window's start; 0 before the first). Saved by :meth:`save`.
     steps : int
         Optimizer steps taken through :meth:`step` and :meth:`flush`.
+    examples : int or float
+        Examples applied so far: the total weight of every applied window (the
+        number of batches when no `weight` was given). Saved by :meth:`save`.
+    gradient_noise : NoiseEstimate or None
+        With ``noise_scale``: the last window's estimates (``.grad_sq``,
+        ``.trace``, ``.b_simple``, floats; NaN for a window of one batch).
+    noise_scale : float or None
+        With ``noise_scale``: B_simple from running averages of ``|G|^2`` and
+        ``tr(Sigma)``, kept separately (the ratio of the averages, never the
+        average of the windows' ratios); None before the first window of two
+        or more batches. Saved by :meth:`save`.
     apply_updates : OrderedDict
         The apply function's update dictionary (rule state included), for
         :func:`lasagne_accum.save_state`.
@@ -105,18 +122,24 @@ class AccumulationTrainer:
         accumulate_fn: Callable[..., Any],
         apply_fn: Callable[[], Any],
         accumulation: Accumulation,
-        every: int,
+        every: int | Callable[[Any], int],
         apply_updates: UpdatesLike | None = None,
         *,
         model_average: ModelAverage | None = None,
         ema: ExponentialMovingAverage | None = None,
+        noise_decay: float | None = None,
     ) -> None:
         self.accumulate_fn = accumulate_fn
         self.apply_updates = apply_updates if apply_updates is not None else {}
         self.apply_fn = apply_fn
         self.accumulation = accumulation
         self.every = every
+        self.window = every if isinstance(every, int) else 0
         self.steps = 0
+        self.examples: int | float = 0
+        self.gradient_noise: NoiseEstimate | None = None
+        self._noise_decay = noise_decay
+        self._noise_avg: tuple[float, float] | None = None  # running |G|^2, tr(Sigma)
         self.model_average = model_average
         self.ema = ema
         self.compile_seconds = 0.0
@@ -127,21 +150,49 @@ class AccumulationTrainer:
         """Batches accumulated and not yet applied (read from the counter)."""
         return int(np.asarray(self.accumulation.count.get_value()))
 
+    @property
+    def noise_scale(self) -> float | None:
+        if self._noise_avg is None:
+            return None
+        grad_sq, trace = self._noise_avg
+        return trace / grad_sq
+
+    def window_size(self) -> int:
+        """The number of batches of the window now filling (``every``'s value at its start).
+
+        Raises
+        ------
+        ValueError, TypeError
+            If a callable `every` returns something other than a positive
+            integer (nothing has been accumulated for the window then).
+        """
+        if self._pending is None:
+            self._pending = self.pending
+        if not callable(self.every):
+            return self.every
+        if self._pending == 0 or self.window == 0:  # a window starts (or resumes unknown)
+            k = self.every(self.examples)
+            if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or \
+                    k < 1:
+                raise ValueError(f"every({self.examples!r}) returned {k!r}: a window's number "
+                                 "of batches must be a positive integer")
+            self.window = int(k)
+        return self.window
+
     def step(self, *batch: Any) -> Any:
-        """Accumulate one batch; apply when `every` batches are in.
+        """Accumulate one batch; apply when the window's batches are in.
 
         Returns
         -------
         The accumulate function's outputs for this batch (the loss).
         """
-        if self._pending is None:
-            self._pending = self.pending
+        window = self.window_size()
         out = self.accumulate_fn(*batch)
         if self.accumulation.skipped is None:
             self._pending += 1
         else:  # a skipped batch does not count: read the real counter
             self._pending = self.pending
-        if self._pending >= self.every:
+        if self._pending >= window:
             self._apply()
         return out
 
@@ -181,8 +232,11 @@ class AccumulationTrainer:
             if average is not None and average.applied:
                 raise RuntimeError(f"save(): {average.name} is applied, so the parameters "
                                    "hold its averages; restore() it before saving")
-        return write_state(path, [self, *more], metadata,
-                           library={"trainer": {"steps": self.steps}})
+        trainer: dict[str, Any] = {"steps": self.steps, "examples": self.examples,
+                                   "window": self.window}
+        if self._noise_avg is not None:
+            trainer["noise_average"] = list(self._noise_avg)
+        return write_state(path, [self, *more], metadata, library={"trainer": trainer})
 
     def load(self, path: PathLike, *more: Any) -> dict[str, Any]:
         """Load a checkpoint written by :meth:`save`, resume its window and :attr:`steps`.
@@ -196,9 +250,16 @@ class AccumulationTrainer:
 
         metadata, library, _ = read_state(path, [self, *more])
         self._pending = None
-        steps = library.get("trainer", {}).get("steps")
-        if steps is not None:
-            self.steps = int(steps)
+        saved = library.get("trainer", {})
+        if saved.get("steps") is not None:
+            self.steps = int(saved["steps"])
+        if saved.get("examples") is not None:
+            examples = saved["examples"]
+            self.examples = int(examples) if float(examples).is_integer() else float(examples)
+        average = saved.get("noise_average")
+        self._noise_avg = (float(average[0]), float(average[1])) if average else None
+        if callable(self.every):
+            self.window = int(saved.get("window") or 0)   # 0: read again from every()
         return metadata
 
     def warm_up(self, *batch: Any) -> float:
@@ -220,9 +281,25 @@ class AccumulationTrainer:
         return warm_up_calls(touched, lambda: self.accumulate_fn(*batch), self.apply_fn)
 
     def _apply(self):
-        self.apply_fn()
+        out = self.apply_fn()
+        total = float(np.asarray(out[0]))
+        self.examples += int(total) if total.is_integer() else total
+        if len(out) > 1:
+            self._note_noise(*(float(np.asarray(v)) for v in out[1:4]))
         self.steps += 1
         self._pending = 0
+
+    def _note_noise(self, grad_sq: float, trace: float, b_simple: float) -> None:
+        """Keep the window's estimates, and fold them into the running averages."""
+        self.gradient_noise = NoiseEstimate(grad_sq, trace, b_simple)
+        if not (np.isfinite(grad_sq) and np.isfinite(trace)):
+            return   # a window of one batch: no estimate
+        if self._noise_avg is None:
+            self._noise_avg = (grad_sq, trace)
+            return
+        d = self._noise_decay if self._noise_decay is not None else 0.0
+        old_g, old_t = self._noise_avg
+        self._noise_avg = (d * old_g + (1 - d) * grad_sq, d * old_t + (1 - d) * trace)
 
 
 def compile_accumulation(
@@ -231,12 +308,13 @@ def compile_accumulation(
     params: Params,
     update_rule: UpdateRule,
     rule_kwargs: Mapping[str, Any] | None = None,
-    every: int = 1,
+    every: int | Callable[[Any], int] = 1,
     *,
     weight: Scalar | None = None,
     average: bool = True,
     max_norm: Scalar | None = None,
     skip_nonfinite: bool = False,
+    noise_scale: bool | Mapping[str, Any] = False,
     outputs: Sequence[Variable] | None = None,
     extra_apply_updates: UpdatesLike | Callable[[UpdatesLike], UpdatesLike] | None = None,
     model_average: Mapping[str, Any] | None = None,
@@ -262,13 +340,26 @@ def compile_accumulation(
         update dictionary (:func:`lasagne_accum.adam`, a partial, your own).
     rule_kwargs : dict, optional
         Hyperparameters for `update_rule`.
-    every : int
-        Batches per optimizer step (N).
+    every : int or callable
+        Batches per optimizer step (N), or a callable of the examples applied
+        so far (``trainer.examples``) returning the number of batches of the
+        next window: a batch-size schedule, read at each window's start (K is
+        a run-time value: nothing is compiled again). :class:`FollowNoiseScale`
+        is one that follows the measured noise scale.
     weight : symbolic scalar, optional
         The batch's weight (its number of examples), for an exact mean over
         batches of different sizes; must be computable from `inputs`.
     average, max_norm, skip_nonfinite
         Passed to :func:`lasagne_accum.accumulate_gradients`.
+    noise_scale : bool or dict
+        True, or ``dict(population=N, decay=d)``: measure the gradient noise
+        scale with each window (:func:`lasagne_accum.gradient_noise`; needs
+        `weight`). ``trainer.gradient_noise`` holds the last window's
+        estimates and ``trainer.noise_scale`` B_simple from running averages
+        (``avg := d * avg + (1 - d) * window``, ``d`` 0.9 by default; the first
+        window's estimate starts them) of ``|G|^2`` and ``tr(Sigma)``.
+        `population`: the data set's size when batches are drawn from it
+        without replacement (the finite-data correction).
     outputs : list of symbolic variables, optional
         Outputs of the per-batch function; default ``[loss]``.
     extra_apply_updates : dict or callable, optional
@@ -327,7 +418,8 @@ def compile_accumulation(
     from .model_average import ExponentialMovingAverage, ModelAverage
 
     start = time.perf_counter()
-    every = check_int(every, "every")
+    if not callable(every):
+        every = check_int(every, "every")
     if not callable(update_rule):
         raise TypeError(f"update_rule must be callable, got {type(update_rule).__name__}")
     for label, kwargs in (("model_average", model_average), ("ema", ema)):
@@ -343,8 +435,10 @@ def compile_accumulation(
             raise TypeError(f"{label}: host_mode keeps the average out of the apply step; "
                             "build the average yourself and call its step() after each "
                             "optimizer step")
+    noise_options = _noise_options(noise_scale)
     acc = accumulate_gradients(loss, params, average=average, weight=weight,
-                               max_norm=max_norm, skip_nonfinite=skip_nonfinite, name=name)
+                               max_norm=max_norm, skip_nonfinite=skip_nonfinite,
+                               noise_scale=noise_options is not None, name=name)
     rule = check_rule_updates(update_rule, acc.grads, acc.params, dict(rule_kwargs or {}))
     if callable(extra_apply_updates):
         # the extras see the rule's new values (an average of the stepped parameters)
@@ -372,13 +466,41 @@ def compile_accumulation(
         list(inputs), loss if outputs is None else list(outputs), updates=acc.accumulate,
         mode=la_mode(mode or default_acc),
     )
-    apply_fn = pytensor.function([], [], updates=apply, mode=la_mode(apply_mode or default_apply))
+    # the window's total weight (trainer.examples) and the noise estimates, read before the
+    # reset empties the window
+    apply_outputs = [acc.total]
+    if noise_options is not None:
+        apply_outputs += gradient_noise(acc, noise_options["population"]).outputs
+    apply_fn = pytensor.function([], apply_outputs, updates=apply,
+                                 mode=la_mode(apply_mode or default_apply))
     trainer = AccumulationTrainer(accumulate_fn, apply_fn, acc, every, apply_updates=apply,
-                                  **averages)
+                                  noise_decay=(noise_options or {}).get("decay"), **averages)
+    if hasattr(every, "bind"):
+        every.bind(trainer)
     if example is not None:
         trainer.warm_up(*example)
     trainer.compile_seconds = time.perf_counter() - start
     return trainer
+
+
+def _noise_options(noise_scale: Any) -> dict[str, Any] | None:
+    """``compile_accumulation``'s `noise_scale`, checked: None (off) or its options."""
+    if noise_scale is False or noise_scale is None:
+        return None
+    if noise_scale is True:
+        return {"population": None, "decay": 0.9}
+    if not isinstance(noise_scale, Mapping):
+        raise TypeError("noise_scale must be True, False or a dict(population=..., decay=...), "
+                        f"got {noise_scale!r}")
+    unknown = set(noise_scale) - {"population", "decay"}
+    if unknown:
+        raise TypeError(f"noise_scale: unknown option(s) {', '.join(sorted(unknown))}; "
+                        "its options are population and decay")
+    decay = noise_scale.get("decay", 0.9)
+    if isinstance(decay, (bool, np.bool_)) or not isinstance(decay, (int, float)) or \
+            not 0 <= decay < 1:
+        raise ValueError(f"noise_scale: decay must be a number in [0, 1), got {decay!r}")
+    return {"population": noise_scale.get("population"), "decay": float(decay)}
 
 
 def run_epoch(

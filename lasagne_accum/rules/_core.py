@@ -93,9 +93,10 @@ def _build(rule, core, loss_or_grads, params, average, weight, hyper):
         )
     params = check_params(params)
     grads = get_or_compute_grads(loss_or_grads, params)
-    updates = _with_schedule(rule, core, grads, params, hyper)  # a callable learning_rate
     # accu.grads of the two-function form: no step on an empty window
     accumulation = accumulation_of(loss_or_grads)
+    updates = _with_schedule(rule, core, grads, params, hyper,  # a callable learning_rate
+                             accumulation)
     return updates if accumulation is None else accumulation.guard(updates)
 
 
@@ -181,14 +182,17 @@ def _is_schedule(value):
     return callable(value) and not isinstance(value, Variable)
 
 
-def _with_schedule(rule, core, grads, params, hyper):
+def _with_schedule(rule, core, grads, params, hyper, accumulation=None):
     """Call ``core``; a callable learning_rate gets a step counter owned by the rule.
 
     The counter (int64 shared scalar ``<name>.schedule_step``, starting at 0)
     is the schedule's argument, and ``step := step + 1`` joins the rule's
     updates, so it advances exactly when the rule's updates are applied: once
     per apply call in the two-function form, once per stepping call with
-    ``average=N`` (the updates sit behind the stepping select).
+    ``average=N`` (the updates sit behind the stepping select). A schedule with
+    ``unit="examples"`` advances by the window's total weight instead, and a
+    scaling rule with a run-time batch (``linear_scaling(lr, base, None)``) is
+    multiplied by ``(total / base) ** power``: both read `accumulation`'s total.
     """
     lr = hyper.get("learning_rate")
     rule_name = getattr(rule, "__name__", "rule")
@@ -201,11 +205,26 @@ def _with_schedule(rule, core, grads, params, hyper):
                 f"got {type(lr).__name__}"
             )
         return core(grads, params, **hyper)
+    examples = getattr(lr, "unit", "steps") == "examples"
+    power = getattr(lr, "batch_power", None)
+    total = None
+    if examples or power is not None:
+        what = "unit='examples'" if examples else "a scaling rule with batch_size=None"
+        if accumulation is None or accumulation.total is accumulation.count:
+            raise ValueError(
+                f"{rule_name}(): a learning_rate schedule with {what} reads each window's "
+                "number of examples: give the rule accu.grads of "
+                "accumulate_gradients(..., weight=<examples in the batch>)")
+        total = accumulation.total
     prefix = hyper.get("name") or rule_name
     step = scalar_state(f"{prefix}.schedule_step", "int64")
     value = evaluate_schedule(lr, step, rule_name)
+    if power is not None:
+        ratio = pt.cast(total, "float64") / float(lr.base_batch_size)
+        value = value * (ratio if power == 1 else ratio ** power)
     updates = core(grads, params, **dict(hyper, learning_rate=value))
-    updates[step] = step + pt.constant(np.int64(1))
+    advance = pt.cast(pt.round(total), "int64") if examples else pt.constant(np.int64(1))
+    updates[step] = step + advance
     return updates
 
 
