@@ -178,8 +178,9 @@ def gradient_noise(accu: Accumulation | Any, population: int | None = None) -> G
         from pytensor.raise_op import Assert
 
         n = np.asarray(population, dtype)
-        total = Assert(f"gradient_noise(): population ({population}) is smaller than this "
-                       "window's batch")(total, pt.le(total, n))
+        total = pt.as_tensor_variable(Assert(
+            f"gradient_noise(): population ({population}) is smaller than this window's "
+            "batch")(total, pt.le(total, n)))
     km1 = pt.switch(pt.gt(k, 1), k - 1, np.ones((), dtype))
     trace = total * (mean_sq - window_sq) / km1
     if population is None:

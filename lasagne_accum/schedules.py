@@ -519,8 +519,10 @@ def _batch_scaling(base_lr, base_batch_size, batch_size, power):
 def linear_scaling(base_lr: float, base_batch_size: int, batch_size: int) -> float: ...
 @overload
 def linear_scaling(
-    base_lr: float | Callable[[Any], Any], base_batch_size: int, batch_size: int | None
+    base_lr: Callable[[Any], Any], base_batch_size: int, batch_size: int | None
 ) -> Schedule: ...
+@overload
+def linear_scaling(base_lr: float, base_batch_size: int, batch_size: None) -> Schedule: ...
 
 
 def linear_scaling(
@@ -587,8 +589,10 @@ def linear_scaling(
 def sqrt_scaling(base_lr: float, base_batch_size: int, batch_size: int) -> float: ...
 @overload
 def sqrt_scaling(
-    base_lr: float | Callable[[Any], Any], base_batch_size: int, batch_size: int | None
+    base_lr: Callable[[Any], Any], base_batch_size: int, batch_size: int | None
 ) -> Schedule: ...
+@overload
+def sqrt_scaling(base_lr: float, base_batch_size: int, batch_size: None) -> Schedule: ...
 
 
 def sqrt_scaling(

@@ -188,7 +188,7 @@ class AccumulationTrainer:
         """
         window = self.window_size()
         out = self.accumulate_fn(*batch)
-        if self.accumulation.skipped is None:
+        if self.accumulation.skipped is None and self._pending is not None:
             self._pending += 1
         else:  # a skipped batch does not count: read the real counter
             self._pending = self.pending
@@ -468,7 +468,7 @@ def compile_accumulation(
     )
     # the window's total weight (trainer.examples) and the noise estimates, read before the
     # reset empties the window
-    apply_outputs = [acc.total]
+    apply_outputs: list[Any] = [acc.total]
     if noise_options is not None:
         apply_outputs += gradient_noise(acc, noise_options["population"]).outputs
     apply_fn = pytensor.function([], apply_outputs, updates=apply,
