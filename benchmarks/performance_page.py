@@ -48,6 +48,11 @@ TOPICS = {
         "Whether the accumulate step adds the gradient into its buffer in place, at no more "
         "than the cost of computing the gradient.",
         ["benchmarks/inplace.py"]),
+    "noise": (
+        "The noise scale's cost",
+        "What ``compile_accumulation(noise_scale=True)`` adds to a window (one squared-norm "
+        "reduction per micro-batch, the estimates at each apply), in C and Numba.",
+        ["benchmarks/noise.py"]),
     "backends": (
         "Backends",
         "Milliseconds per call of the forward-backward, accumulate and apply steps on each "

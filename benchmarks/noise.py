@@ -1,0 +1,116 @@
+#!/usr/bin/env python
+"""What measuring the gradient noise scale costs a window, in C and Numba.
+
+On ``common.mlp`` (784-512-10, batch 64, float32, Adam), for each mode (``CVM``
+and ``NUMBA``, through ``lasagne_accum.mode``): two trainers of
+``lasagne_accum.compile_accumulation(..., every=4, weight=x.shape[0])``, one
+with ``noise_scale=True`` (one squared-norm reduction per micro-batch, the
+estimates from each apply) and one without. A window is 4 accumulate calls and
+one apply call (``trainer.step`` four times).
+
+Each mode runs in its own process (``common.Worker``), asked in interleaved
+rounds; within a round the two trainers' windows alternate one by one. The
+table shows the median window time of each and the median of the per-window
+ratios of neighbouring windows (per round, then the median over rounds).
+
+    python benchmarks/noise.py            # about a minute once compiled
+    python benchmarks/noise.py --quick
+"""
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import (  # noqa: E402
+    Worker, batch, interleaved_rounds, load_average, median, mlp, serve, worker_io,
+)
+
+import lasagne_accum as la  # noqa: E402
+
+MODES = ("CVM", "NUMBA")
+EVERY = 4
+TARGET = 1.05
+
+
+def build(mode, noise):
+    (x, y), params, loss = mlp("float32")
+    return la.compile_accumulation([x, y], loss, params, la.adam, dict(learning_rate=1e-3),
+                                   every=EVERY, weight=x.shape[0], noise_scale=noise,
+                                   mode=mode)
+
+
+def worker(args, proto):
+    trainers = {"plain": build(args.worker, False), "noise": build(args.worker, True)}
+    data = batch("float32")
+    clock = time.perf_counter
+
+    def window(trainer):
+        start = clock()
+        for _ in range(EVERY):
+            trainer.step(*data)
+        return clock() - start
+
+    for _ in range(3):  # warm-up (JIT compilation, first-call allocations)
+        for trainer in trainers.values():
+            window(trainer)
+
+    def measure(r):
+        t = {"plain": [], "noise": []}
+        for i in range(args.windows):
+            for name in (("plain", "noise") if i % 2 else ("noise", "plain")):
+                t[name].append(window(trainers[name]))
+        out = {n: median(v) for n, v in t.items()}
+        out["ratio"] = median(a / b for a, b in zip(t["noise"], t["plain"]))
+        return out
+
+    serve(proto, {"b_simple": trainers["noise"].noise_scale}, measure)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--windows", type=int, default=None, help="windows of each per round")
+    p.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)  # Worker's
+    p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.rounds = args.rounds or (2 if args.quick else 10)
+    args.windows = args.windows or (10 if args.quick else 40)
+    if args.worker:
+        worker(args, worker_io())
+        return
+    print(load_average())
+    here = os.path.abspath(__file__)
+    workers = [Worker(here, m, ["--windows", str(args.windows)], log=sys.stderr) for m in MODES]
+    try:
+        for w in workers:
+            w.ready()
+        samples = interleaved_rounds(workers, args.rounds)
+    finally:
+        for w in workers:
+            w.close()
+    med = {k: median(v) for k, v in samples.items()}
+    print(f"784-512-10 MLP, batch 64, float32, adam, windows of {EVERY}; one process per mode, "
+          f"{args.rounds} interleaved rounds x {args.windows} windows of each, alternating")
+    hdr = f"{'mode':6} {'plain ms':>9} {'noise ms':>9} {'noise/plain':>12}"
+    print(hdr)
+    print("-" * len(hdr))
+    for m in MODES:
+        print(f"{m:6} {med[f'{m}/plain'] * 1e3:9.3f} {med[f'{m}/noise'] * 1e3:9.3f} "
+              f"{med[f'{m}/ratio']:12.3f}")
+    print("(ms: median window; noise/plain: median over rounds of the median ratio of "
+          "neighbouring windows)")
+    print()
+    print("SUMMARY (target: measured -> verdict)")
+    for m in MODES:
+        r = med[f"{m}/ratio"]
+        print(f"  {'PASS' if r <= TARGET else 'MISS'}  5 window with noise_scale / without "
+              f"<= {TARGET} [{m}]: {r:.3f}")
+    print(load_average())
+
+
+if __name__ == "__main__":
+    main()
