@@ -4,8 +4,8 @@
 Model: the 784-512-10 ReLU MLP of ``benchmarks/common.py`` (mean cross-entropy),
 batch 64, float32 and float64. "ours" is
 ``lasagne_accum.compile_accumulation(..., update_rule=lasagne_accum.adam)`` with
-its default modes (accumulate step in ``CVM`` = C backend with BLAS, apply step
-in ``NUMBA``), driven by ``trainer.step()`` in windows of ``--every`` batches.
+its default modes (``default_modes()``: the faster of C and Numba for each step,
+measured on the machine), driven by ``trainer.step()`` in windows of ``--every`` batches.
 
 Measured (the memory items are checked in the final summary; the speed ratios
 are printed without a target: the accumulate step against a forward-backward

@@ -58,6 +58,10 @@ GROUPS = [
      [("lasagne_accum", ["accumulate_gradients", "reset", "Accumulation",
                          "with_accumulated_gradients", "SteppingUpdates"]),
       ("lasagne_accum.accumulate", ["AccumulateUpdates"])]),
+    ("The batch size", "The gradient noise scale and batch-size schedules "
+     "(:doc:`batch-size`).",
+     [("lasagne_accum", ["gradient_noise", "GradientNoise", "NoiseEstimate",
+                         "FollowNoiseScale"])]),
     ("Averaging", "Model averages over windows of steps, and the EMA (:doc:`averaging`).",
      [("lasagne_accum", ["ModelAverage", "ExponentialMovingAverage"])]),
     ("Checkpoints", "Every shared variable an update dictionary touches, and loop state "

@@ -31,9 +31,8 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=models.positive_int, default=64,
                    help="hidden units of the MLP")
     models.add_flags(p, mode=(None, "PyTensor mode for both functions (NUMBA, CVM, JAX); "
-                                    "default: lasagne_accum.default_modes(), C for "
-                                    "accumulation and Numba for the apply step when C links "
-                                    "to BLAS"),
+                                    "default: lasagne_accum.default_modes(), the faster of C "
+                                    "and Numba for each step on this machine"),
                      seed=0, no_progress=False)
     return p.parse_args(argv)
 

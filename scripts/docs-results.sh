@@ -17,4 +17,7 @@ cp "$out/large_batch_small_memory.png" examples/results/
 $PY examples/cross_minibatch.py --quick --no-progress --out "$out" \
     | grep -E '^(control|cross) ' > docs/_static/cross_minibatch.txt
 cp "$out/cross_minibatch.png" examples/results/
+$PY examples/batch_size_noise_scale.py --out "$out" \
+    | sed -n '/^run /,/^(-:/p' > docs/_static/batch_size_noise_scale.txt
+cp "$out/batch_size_noise_scale.png" examples/results/
 echo "docs-results: docs/_static/*.txt and examples/results/*.png updated"

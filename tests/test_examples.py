@@ -23,6 +23,7 @@ sys.path.insert(0, EXAMPLES)
 
 pytest.importorskip("sklearn")
 
+import batch_size_noise_scale  # noqa: E402
 import cross_minibatch  # noqa: E402
 import digits_cnn  # noqa: E402
 import distributed_digits  # noqa: E402
@@ -541,3 +542,29 @@ def test_every_example_runs_in_jax_and_pytorch_with_the_numbers_of_c(name, backe
     want = _c_numbers[name]
     assert len(got) == len(want)
     np.testing.assert_allclose(got, want, rtol=QUICK[name][3], atol=1e-12)
+
+
+# ------------------------------------------------------- batch_size_noise_scale
+
+
+def test_batch_size_noise_scale_table(tmp_path, capsys):
+    rows = batch_size_noise_scale.main(["--quick", "--max-epochs", "3", "--max-every", "8",
+                                        "--target", "0.9", "--mode", "CVM",
+                                        "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert [r["label"] for r in rows] == ["fixed K=1", "fixed K=8", "follow B_simple"]
+    for r in rows:
+        assert re.search(rf"^{re.escape(r['label'])}\s+(\d+|-)\s+(\d+|-)\s+\d+\s+(\S+)$",
+                         out, re.M), r["label"]
+        steps, examples, losses = zip(*r["curve"])
+        assert list(steps) == sorted(steps) and finite(*losses)
+        if r["updates"] is not None:      # reached: the last loss is at or under the target
+            assert losses[-1] <= 0.9 and r["examples"] == examples[-1]
+    assert rows[0]["b_simple"] is None and rows[0]["final_k"] == 1
+    assert rows[1]["final_k"] == 8 and rows[1]["b_simple"] > 0
+    assert 2 <= rows[2]["final_k"] <= 8 and rows[2]["b_simple"] > 0
+    # a window of the fixed K=8 run holds 8 micro-batches of 16 (128 examples), or 116 where
+    # it holds the epoch's last batch of 4 (1348 training examples)
+    _, examples, _ = zip(*rows[1]["curve"])
+    assert set(np.diff(examples)) <= {128, 116} and 128 in set(np.diff(examples))
+    assert (tmp_path / "batch_size_noise_scale.png").exists()
