@@ -433,7 +433,8 @@ def accumulate_gradients(
         micro-batch's squared gradient norm, a skipped batch adding nothing),
         so that :func:`lasagne_accum.gradient_noise` can estimate the gradient
         noise scale from the window. Needs `weight` (the number of examples
-        in each micro-batch).
+        in each micro-batch); works with ``average=False`` too (the estimators
+        divide the buffers by the total weight themselves).
     name : str
         Prefix of the counters' names (``accumulate.count``); any other name
         than the default also prefixes the buffers (``W.enc_grad_accu`` with
