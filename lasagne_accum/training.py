@@ -132,6 +132,7 @@ class AccumulationTrainer:
         model_average: ModelAverage | None = None,
         ema: ExponentialMovingAverage | None = None,
         noise_decay: float | None = None,
+        outputs_total: bool = False,
     ) -> None:
         self.accumulate_fn = accumulate_fn
         self.apply_updates = apply_updates if apply_updates is not None else {}
@@ -144,6 +145,9 @@ class AccumulationTrainer:
         self.examples: int | float = 0
         self.gradient_noise: NoiseEstimate | None = None
         self._noise_decay = noise_decay
+        # compile_accumulation's apply function returns the window's total weight (then the
+        # noise estimates); another apply function's outputs are its own
+        self._outputs_total = outputs_total
         self._noise_avg: tuple[float, float] | None = None  # running |G|^2, tr(Sigma)
         self.model_average = model_average
         self.ema = ema
@@ -286,11 +290,14 @@ class AccumulationTrainer:
         return warm_up_calls(touched, lambda: self.accumulate_fn(*batch), self.apply_fn)
 
     def _apply(self):
+        if not self._outputs_total:
+            total = float(np.asarray(self.accumulation.total.get_value()))
         out = self.apply_fn()
-        total = float(np.asarray(out[0]))
+        if self._outputs_total:
+            total = float(np.asarray(out[0]))
+            if len(out) > 1:
+                self._note_noise(*(float(np.asarray(v)) for v in out[1:4]))
         self.examples += int(total) if total.is_integer() else total
-        if len(out) > 1:
-            self._note_noise(*(float(np.asarray(v)) for v in out[1:4]))
         self.steps += 1
         self._pending = 0
 
@@ -510,7 +517,8 @@ def compile_accumulation(
     apply_fn = pytensor.function([], apply_outputs, updates=apply,
                                  mode=la_mode(apply_mode or default_apply))
     trainer = AccumulationTrainer(accumulate_fn, apply_fn, acc, every, apply_updates=apply,
-                                  noise_decay=(noise_options or {}).get("decay"), **averages)
+                                  noise_decay=(noise_options or {}).get("decay"),
+                                  outputs_total=True, **averages)
     trainer.accumulate_updates = accumulate_updates
     if hasattr(every, "bind"):
         every.bind(trainer)
