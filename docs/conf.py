@@ -58,6 +58,11 @@ GROUPS = [
      [("lasagne_accum", ["accumulate_gradients", "reset", "Accumulation",
                          "with_accumulated_gradients", "SteppingUpdates"]),
       ("lasagne_accum.accumulate", ["AccumulateUpdates"])]),
+    ("Batch normalisation", "Ghost batches and running statistics under accumulation "
+     "(:doc:`accumulation`).",
+     [("lasagne_accum", ["batch_norm", "batch_norm_updates"]),
+      ("lasagne_accum.batch_norm", ["PooledBatchNorm", "BatchNormStats", "batch_norm_layers",
+                                    "recompute_running_stats"])]),
     ("The batch size", "The gradient noise scale and batch-size schedules "
      "(:doc:`batch-size`).",
      [("lasagne_accum", ["gradient_noise", "GradientNoise", "NoiseEstimate",
@@ -85,7 +90,7 @@ GROUPS = [
 OPTIONAL = ["lasagne_accum.schedules", "lasagne_accum.distributed.dask"]
 #: Modules whose ``__all__`` every group together must cover.
 PUBLIC = ["lasagne_accum", "lasagne_accum.updates", "lasagne_accum.training",
-          "lasagne_accum.machine",
+          "lasagne_accum.machine", "lasagne_accum.batch_norm",
           "lasagne_accum.checkpoint", "lasagne_accum.memory", "lasagne_accum.schedules",
           "lasagne_accum.distributed", "lasagne_accum.distributed.dask"]
 

@@ -15,6 +15,7 @@ __version__ = "0.2.0"
 
 from . import schedules, updates
 from .accumulate import Accumulation, accumulate_gradients, reset
+from .batch_norm import batch_norm, batch_norm_updates
 from .checkpoint import collect_state, load_state, save_state
 from .memory import MemoryPlan, StepMemory, memory_plan, step_memory
 from .machine import show_config
@@ -32,6 +33,8 @@ __all__ += [
     "schedules",
     "accumulate_gradients",
     "reset",
+    "batch_norm",
+    "batch_norm_updates",
     "gradient_noise",
     "GradientNoise",
     "NoiseEstimate",

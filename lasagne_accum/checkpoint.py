@@ -55,7 +55,8 @@ def _walk(obj, out, seen):
         for key in obj:
             _walk(key, out, seen)
     elif hasattr(obj, "apply_updates") and hasattr(obj, "accumulation"):  # a trainer
-        _walk([obj.accumulation, obj.apply_updates], out, seen)
+        _walk([obj.accumulation, getattr(obj, "accumulate_updates", None) or {},
+               obj.apply_updates], out, seen)
     elif hasattr(obj, "updates") and isinstance(getattr(obj, "updates"), Mapping):
         _walk(obj.updates, out, seen)  # ModelAverage, ExponentialMovingAverage
     elif isinstance(obj, (list, tuple, Accumulation)):   # an Accumulation: its two dicts

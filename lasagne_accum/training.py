@@ -18,6 +18,7 @@ import pytensor
 
 from ._checks import check_int, check_rule_updates
 from .accumulate import accumulate_gradients
+from .batch_norm import PooledBatchNorm, batch_norm_layers, batch_norm_updates
 from .merge import merge_updates
 from .modes import default_modes, float_dtype, mode as la_mode
 from .noise import NoiseEstimate, gradient_noise
@@ -109,6 +110,9 @@ class AccumulationTrainer:
     apply_updates : OrderedDict
         The apply function's update dictionary (rule state included), for
         :func:`lasagne_accum.save_state`.
+    accumulate_updates : OrderedDict
+        The accumulate function's update dictionary (the buffers, and the
+        batch-norm layers' running averages or pooled sums).
     model_average, ema : ModelAverage, ExponentialMovingAverage or None
         The averages built by ``compile_accumulation(model_average=...,
         ema=...)``: ``with trainer.model_average.apply(): evaluate()``.
@@ -128,9 +132,11 @@ class AccumulationTrainer:
         model_average: ModelAverage | None = None,
         ema: ExponentialMovingAverage | None = None,
         noise_decay: float | None = None,
+        outputs_total: bool = False,
     ) -> None:
         self.accumulate_fn = accumulate_fn
         self.apply_updates = apply_updates if apply_updates is not None else {}
+        self.accumulate_updates: UpdatesLike = OrderedDict(accumulation.accumulate)
         self.apply_fn = apply_fn
         self.accumulation = accumulation
         self.every = every
@@ -139,6 +145,9 @@ class AccumulationTrainer:
         self.examples: int | float = 0
         self.gradient_noise: NoiseEstimate | None = None
         self._noise_decay = noise_decay
+        # compile_accumulation's apply function returns the window's total weight (then the
+        # noise estimates); another apply function's outputs are its own
+        self._outputs_total = outputs_total
         self._noise_avg: tuple[float, float] | None = None  # running |G|^2, tr(Sigma)
         self.model_average = model_average
         self.ema = ema
@@ -281,11 +290,14 @@ class AccumulationTrainer:
         return warm_up_calls(touched, lambda: self.accumulate_fn(*batch), self.apply_fn)
 
     def _apply(self):
+        if not self._outputs_total:
+            total = float(np.asarray(self.accumulation.total.get_value()))
         out = self.apply_fn()
-        total = float(np.asarray(out[0]))
+        if self._outputs_total:
+            total = float(np.asarray(out[0]))
+            if len(out) > 1:
+                self._note_noise(*(float(np.asarray(v)) for v in out[1:4]))
         self.examples += int(total) if total.is_integer() else total
-        if len(out) > 1:
-            self._note_noise(*(float(np.asarray(v)) for v in out[1:4]))
         self.steps += 1
         self._pending = 0
 
@@ -315,6 +327,8 @@ def compile_accumulation(
     max_norm: Scalar | None = None,
     skip_nonfinite: bool = False,
     noise_scale: bool | Mapping[str, Any] = False,
+    batch_norm: str = "ghost",
+    running_stats: str = "each",
     outputs: Sequence[Variable] | None = None,
     extra_apply_updates: UpdatesLike | Callable[[UpdatesLike], UpdatesLike] | None = None,
     model_average: Mapping[str, Any] | None = None,
@@ -360,6 +374,18 @@ def compile_accumulation(
         window's estimate starts them) of ``|G|^2`` and ``tr(Sigma)``.
         `population`: the data set's size when batches are drawn from it
         without replacement (the finite-data correction).
+    batch_norm : {"ghost"}
+        How the :func:`lasagne_accum.batch_norm` layers of `loss` are
+        normalised under accumulation: ``"ghost"``, each micro-batch with its
+        own statistics (a ghost batch: what a multi-device run computes per
+        device). ``"exact"`` (the window's statistics) is not available yet and
+        raises ``NotImplementedError``.
+    running_stats : {"each", "pooled"}
+        How the batch-norm layers' running averages move: ``"each"``, once per
+        micro-batch (a PyTorch loop over micro-batches); ``"pooled"``, once
+        per window with the window's pooled mean and variance (the running
+        averages of one large batch of the same activations;
+        :class:`lasagne_accum.batch_norm.PooledBatchNorm`).
     outputs : list of symbolic variables, optional
         Outputs of the per-batch function; default ``[loss]``.
     extra_apply_updates : dict or callable, optional
@@ -436,6 +462,15 @@ def compile_accumulation(
                             "build the average yourself and call its step() after each "
                             "optimizer step")
     noise_options = _noise_options(noise_scale)
+    if batch_norm not in ("ghost", "exact"):
+        raise ValueError(f"batch_norm must be 'ghost' or 'exact', got {batch_norm!r}")
+    if running_stats not in ("each", "pooled"):
+        raise ValueError(f"running_stats must be 'each' or 'pooled', got {running_stats!r}")
+    bn_layers = batch_norm_layers(loss)
+    if batch_norm == "exact" and bn_layers:
+        raise NotImplementedError(
+            "batch_norm='exact' (statistics over the whole window) is not available yet; "
+            "batch_norm='ghost' normalises each micro-batch with its own statistics")
     acc = accumulate_gradients(loss, params, average=average, weight=weight,
                                max_norm=max_norm, skip_nonfinite=skip_nonfinite,
                                noise_scale=noise_options is not None, name=name)
@@ -456,14 +491,22 @@ def compile_accumulation(
     if ema is not None:
         averages["ema"] = ExponentialMovingAverage(acc.params, updates=stepped,
                                                    is_step=acc.is_step, **ema)
-    apply = merge_updates(stepped, *(a.updates for a in averages.values()), acc.reset)
+    accumulate_updates, running_apply = OrderedDict(acc.accumulate), OrderedDict()
+    if bn_layers and running_stats == "each":
+        accumulate_updates = merge_updates(accumulate_updates, batch_norm_updates(loss))
+    elif bn_layers:
+        pooled = PooledBatchNorm(loss, acc.is_step, name=f"{name}_pooled")
+        accumulate_updates = merge_updates(accumulate_updates, pooled.accumulate)
+        running_apply = pooled.apply
+    apply = merge_updates(stepped, *(a.updates for a in averages.values()), running_apply,
+                          acc.reset)
 
     default_acc, default_apply = (None, None) if mode is not None else \
         default_modes(float_dtype(acc.params))
     if mode is not None and apply_mode is None:
         apply_mode = mode
     accumulate_fn = pytensor.function(
-        list(inputs), loss if outputs is None else list(outputs), updates=acc.accumulate,
+        list(inputs), loss if outputs is None else list(outputs), updates=accumulate_updates,
         mode=la_mode(mode or default_acc),
     )
     # the window's total weight (trainer.examples) and the noise estimates, read before the
@@ -474,7 +517,9 @@ def compile_accumulation(
     apply_fn = pytensor.function([], apply_outputs, updates=apply,
                                  mode=la_mode(apply_mode or default_apply))
     trainer = AccumulationTrainer(accumulate_fn, apply_fn, acc, every, apply_updates=apply,
-                                  noise_decay=(noise_options or {}).get("decay"), **averages)
+                                  noise_decay=(noise_options or {}).get("decay"),
+                                  outputs_total=True, **averages)
+    trainer.accumulate_updates = accumulate_updates
     if hasattr(every, "bind"):
         every.bind(trainer)
     if example is not None:

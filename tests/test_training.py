@@ -292,3 +292,23 @@ def test_merge_updates_keeps_order_and_refuses_two_values():
         la.merge_updates({a: inc}, [a])
     with pytest.raises(TypeError, match="not a shared variable"):
         la.merge_updates({pt.scalar("s"): inc})
+
+
+def test_a_trainer_of_any_apply_function_counts_examples_from_the_total():
+    """An apply function of another kind (the parameter server's push returns a dict) is
+    called as it is; the examples come from the accumulation's total weight."""
+    x, y, w, loss = _model()
+    acc = la.accumulate_gradients(loss, [w], weight=x.shape[0])
+    step = pytensor.function([x, y], loss, updates=acc.accumulate)
+    reset = pytensor.function([], [], updates=acc.reset)
+    calls = []
+
+    def push():
+        calls.append(float(acc.total.get_value()))
+        reset()
+        return {"pushed": True}
+
+    trainer = la.AccumulationTrainer(step, push, acc, 2)
+    for batch in _batches([2, 3, 4, 1]):
+        trainer.step(*batch)
+    assert calls == [5.0, 5.0] and trainer.examples == 10 and trainer.steps == 2

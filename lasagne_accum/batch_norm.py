@@ -1,0 +1,402 @@
+"""Batch normalisation, and its running statistics under accumulation.
+
+:func:`batch_norm` normalises with the batch's statistics (the running ones when
+``deterministic=True``) and tags its output with what the running averages
+need. Under accumulation each micro-batch is normalised with its own
+statistics: a *ghost batch* (Hoffer et al. 2017), what a multi-device run
+without synchronised batch norm computes per device. The running averages then
+move either once per micro-batch (:func:`batch_norm_updates`, ``"each"``: a
+PyTorch loop over micro-batches) or once per window with the window's pooled
+statistics (:class:`PooledBatchNorm`, ``"pooled"``: the running averages of one
+large batch of the same activations).
+
+The running statistics follow PyTorch's ``torch.nn.BatchNorm*`` convention:
+``running_mean := (1 - alpha) running_mean + alpha mean`` and
+``running_var := (1 - alpha) running_var + alpha var_unbiased`` (``alpha`` is
+PyTorch's ``momentum``), so that numbers and checkpoints compare with it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+import pytensor.tensor as pt
+from pytensor.compile.sharedvalue import SharedVariable
+from pytensor.graph.traversal import ancestors
+
+from ._graph import scalar_state, state_like
+
+if TYPE_CHECKING:
+    from pytensor.tensor.variable import TensorVariable
+
+    from ._typing import Updates
+
+__all__ = ["batch_norm", "batch_norm_updates", "batch_norm_layers", "BatchNormStats",
+           "PooledBatchNorm", "recompute_running_stats"]
+
+
+@dataclass(frozen=True, eq=False)
+class BatchNormStats:
+    """What one training-mode :func:`batch_norm` computed, for its running averages.
+
+    Attributes
+    ----------
+    mean, var : TensorVariable
+        The batch's mean and biased variance, over `axes`, in the running
+        statistics' shape.
+    count : TensorVariable
+        The number of values each statistic is over (the product of the
+        normalised axes' lengths).
+    running_mean, running_var : shared variables
+    alpha : float or TensorVariable
+        The weight of a new value in the running averages.
+    """
+
+    mean: TensorVariable
+    var: TensorVariable
+    count: TensorVariable
+    running_mean: SharedVariable
+    running_var: SharedVariable
+    alpha: Any
+
+
+def _axes(x, axes) -> tuple[int, ...]:
+    if axes == "auto":
+        return tuple(a for a in range(x.type.ndim) if a != 1)
+    if isinstance(axes, (int, np.integer)):
+        axes = (axes,)
+    try:
+        axes = tuple(int(a) % x.type.ndim for a in axes)
+    except TypeError:
+        raise TypeError(f"batch_norm(): axes must be 'auto', an int or a tuple of ints, got "
+                        f"{axes!r}") from None
+    if len(set(axes)) != len(axes) or not axes:
+        raise ValueError(f"batch_norm(): axes must name distinct axes of x, got {axes!r}")
+    return tuple(sorted(axes))
+
+
+def batch_norm(
+    x: TensorVariable,
+    gamma: Any,
+    beta: Any,
+    running_mean: SharedVariable,
+    running_var: SharedVariable,
+    axes: Any = "auto",
+    epsilon: float = 1e-5,
+    alpha: float = 0.1,
+    deterministic: bool = False,
+) -> TensorVariable:
+    """Batch normalisation: ``gamma * (x - mean) / sqrt(var + epsilon) + beta``.
+
+    * training (``deterministic=False``): ``mean`` and ``var`` (biased) are the
+      batch's, over `axes`;
+    * inference (``deterministic=True``): the running statistics.
+
+    The output of a training-mode call carries ``tag.batch_norm`` (a
+    :class:`BatchNormStats`), from which :func:`batch_norm_updates` (and
+    ``compile_accumulation``) build the running averages' updates, in PyTorch's
+    convention:
+
+    * ``running_mean := (1 - alpha) * running_mean + alpha * mean``
+    * ``running_var := (1 - alpha) * running_var + alpha * var * n / (n - 1)``
+      (the unbiased variance of the n values each statistic is over)
+
+    Parameters
+    ----------
+    x : symbolic tensor
+        The layer's input, for example ``(batch, channels)`` or
+        ``(batch, channels, height, width)``.
+    gamma, beta : shared variables or expressions
+        Scale and shift, in the statistics' shape (x's shape without `axes`):
+        ``(channels,)`` for the default axes.
+    running_mean, running_var : shared variables
+        The running statistics, in the statistics' shape (start them at 0 and
+        1, as PyTorch does).
+    axes : 'auto', int or tuple of ints
+        The axes to normalise over. ``'auto'`` (default): all but the second,
+        Lasagne's and PyTorch's layout (one statistic per channel).
+    epsilon : float
+        Added to the variance before the square root (PyTorch's ``eps``,
+        1e-5; Lasagne's default is 1e-4).
+    alpha : float
+        The weight of a batch's statistics in the running averages
+        (PyTorch's ``momentum``, 0.1; Lasagne's ``alpha``, also 0.1).
+    deterministic : bool
+        Use the running statistics (evaluation), no running update.
+
+    Returns
+    -------
+    TensorVariable
+        Normalised `x`, of its shape and dtype.
+
+    Raises
+    ------
+    TypeError
+        If a running statistic is not a shared variable, or `axes` is not
+        'auto', an int or a tuple of ints.
+    ValueError
+        If the running statistics, `gamma` or `beta` do not have the
+        statistics' number of dimensions (or a known length differs), or
+        `epsilon` is not positive or `alpha` not in (0, 1].
+    AssertionError
+        At run time, from a function with :func:`batch_norm_updates`, on a
+        training batch whose statistics are over a single value (a batch of
+        one example with the default axes): its unbiased variance, which the
+        running variance takes, is undefined. Raised before anything changes
+        (PyTorch refuses such a batch too).
+
+    Notes
+    -----
+    Lasagne's ``BatchNormLayer`` keeps ``inv_std = 1 / sqrt(var + epsilon)``
+    of the *biased* variance as its running statistic; here ``running_var``
+    holds the unbiased variance, as PyTorch does: convert a Lasagne checkpoint
+    with ``running_var = 1 / inv_std**2 - epsilon`` (the guide's Lasagne page).
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor, pytensor.tensor as pt
+    >>> import lasagne_accum as la
+    >>> x = pt.matrix("x")
+    >>> g, b = (pytensor.shared(np.full(2, v), name=n) for v, n in ((1.0, "g"), (0.0, "b")))
+    >>> rm, rv = (pytensor.shared(np.full(2, v), name=n) for v, n in ((0.0, "rm"), (1.0, "rv")))
+    >>> y = la.batch_norm(x, g, b, rm, rv)
+    >>> f = pytensor.function([x], y, updates=la.batch_norm_updates(y))
+    >>> f(np.array([[1.0, 2.0], [3.0, 6.0]])).round(3)
+    array([[-1., -1.],
+           [ 1.,  1.]])
+    >>> rm.get_value(), rv.get_value()      # 0.9 * old + 0.1 * (mean, unbiased var)
+    (array([0.2, 0.4]), array([1.1, 1.7]))
+    """
+    x = pt.as_tensor_variable(x)
+    for label, v in (("running_mean", running_mean), ("running_var", running_var)):
+        if not isinstance(v, SharedVariable):
+            raise TypeError(f"batch_norm(): {label} must be a shared variable, got "
+                            f"{type(v).__name__}")
+    if not (isinstance(epsilon, (int, float)) and epsilon > 0):
+        raise ValueError(f"batch_norm(): epsilon must be a positive number, got {epsilon!r}")
+    if not (isinstance(alpha, (int, float)) and 0 < alpha <= 1):
+        raise ValueError(f"batch_norm(): alpha must be in (0, 1], got {alpha!r}")
+    axes = _axes(x, axes)
+    kept = [a for a in range(x.type.ndim) if a not in axes]
+    stat_shape = [x.type.shape[a] for a in kept]
+    known = list(stat_shape)   # each statistic's length, from x or from the first that says
+    for label, v in (("gamma", gamma), ("beta", beta), ("running_mean", running_mean),
+                     ("running_var", running_var)):
+        v = pt.as_tensor_variable(v)
+        value_shape = (np.shape(v.get_value(borrow=True)) if isinstance(v, SharedVariable)
+                       else v.type.shape)
+        if v.type.ndim != len(kept) or any(
+                a is not None and b is not None and a != b
+                for a, b in zip(value_shape, known)):
+            raise ValueError(
+                f"batch_norm(): {label} has shape {tuple(value_shape)}, but x normalised over "
+                f"axes {axes} (and the arguments before it) give statistics of shape "
+                f"{tuple('?' if s is None else s for s in known)}")
+        known = [b if a is None else a for a, b in zip(known, value_shape)]
+
+    def expand(v):
+        """A statistic in x's layout (a broadcastable axis for each normalised one)."""
+        pattern, i = [], 0
+        for a in range(x.type.ndim):
+            if a in axes:
+                pattern.append("x")
+            else:
+                pattern.append(i)
+                i += 1
+        return pt.as_tensor_variable(v).dimshuffle(pattern)
+
+    gamma_x, beta_x = expand(gamma), expand(beta)
+    if deterministic:
+        return (x - expand(running_mean)) / pt.sqrt(expand(running_var) + epsilon) * gamma_x \
+            + beta_x
+    count = pt.prod([x.shape[a] for a in axes]) if len(axes) > 1 else x.shape[axes[0]]
+    mean = x.mean(axis=axes)
+    var = pt.sqr(x - expand(mean)).mean(axis=axes)
+    out = (x - expand(mean)) / pt.sqrt(expand(var) + epsilon) * gamma_x + beta_x
+    out.tag.batch_norm = BatchNormStats(mean, var, count, running_mean, running_var, alpha)
+    return out
+
+
+def batch_norm_layers(outputs: Any) -> list[BatchNormStats]:
+    """Every training-mode :func:`batch_norm` that `outputs` (a loss, a list) depend on,
+    in the order of the graph (inputs first)."""
+    if not isinstance(outputs, (list, tuple)):
+        outputs = [outputs]
+    found: list[BatchNormStats] = []
+    for v in ancestors(list(outputs)):
+        stats = getattr(getattr(v, "tag", None), "batch_norm", None)
+        if isinstance(stats, BatchNormStats) and stats not in found:
+            found.append(stats)
+    return found[::-1]
+
+
+def _running(stats: BatchNormStats, mean, var_unbiased, valid=None) -> Updates:
+    """The running averages' updates; with `valid`, each reads its old value through a
+    check of it, so that a failed check raises before any of them is written (in place)."""
+    rm, rv = stats.running_mean, stats.running_var
+    old_m, old_v = rm, rv
+    if valid is not None:
+        from pytensor.raise_op import Assert
+
+        check = Assert("batch_norm(): a training batch's statistics are over one value (a "
+                       "batch of one example?): its unbiased variance, which the running "
+                       "variance takes, is undefined; use batches of two or more")
+        old_m, old_v = check(rm, valid), check(rv, valid)
+    a = stats.alpha
+    return OrderedDict([(rm, pt.cast((1 - a) * old_m + a * mean, rm.type.dtype)),
+                        (rv, pt.cast((1 - a) * old_v + a * var_unbiased, rv.type.dtype))])
+
+
+def batch_norm_updates(outputs: Any) -> Updates:
+    """The running averages' updates of every training-mode :func:`batch_norm` in `outputs`.
+
+    One update per call of the function they go into: in the accumulate
+    function, once per micro-batch (``running_stats="each"``, what a PyTorch
+    loop over micro-batches does); in a plain training function, once per batch.
+
+    Parameters
+    ----------
+    outputs : symbolic variable or list
+        The loss (or outputs) the batch-norm layers feed.
+
+    Returns
+    -------
+    OrderedDict
+        ``{running_mean: ..., running_var: ...}`` for each layer (see
+        :func:`batch_norm` for the formulas).
+    """
+    updates: Updates = OrderedDict()
+    for stats in batch_norm_layers(outputs):
+        n = pt.cast(stats.count, stats.var.type.dtype)
+        updates.update(_running(stats, stats.mean, stats.var * n / (n - 1),
+                                valid=pt.gt(stats.count, 1)))
+    return updates
+
+
+class PooledBatchNorm:
+    """Running averages updated once per window, with the window's pooled statistics.
+
+    The accumulate function adds each micro-batch's ``n * mean`` and
+    ``n * (var + mean^2)`` (per channel, ``n`` its number of values) and ``n``
+    to buffers (:attr:`accumulate`); the apply function moves the running
+    averages once with the window's mean and unbiased variance (the law of
+    total variance: exact for micro-batches of unequal sizes) and resets the
+    buffers (:attr:`apply`, guarded: nothing moves on an empty window). The
+    result equals the running averages of one batch made of the window's
+    activations.
+
+    Parameters
+    ----------
+    outputs : symbolic variable or list
+        The loss the batch-norm layers feed.
+    is_step : symbolic boolean scalar
+        The apply function's step signal (``accu.is_step``).
+    name : str
+        Prefix of the buffers' names.
+    """
+
+    def __init__(self, outputs: Any, is_step: Any, name: str = "pooled") -> None:
+        self.layers = batch_norm_layers(outputs)
+        self.accumulate: Updates = OrderedDict()
+        self.apply: Updates = OrderedDict()
+        #: per layer, the buffers (sum of values, sum of squares, count)
+        self.buffers: list[tuple[SharedVariable, SharedVariable, SharedVariable]] = []
+        for i, stats in enumerate(self.layers):
+            rm = stats.running_mean
+            dtype = rm.type.dtype
+            first = state_like(rm, f"{name}_sum", i, dtype=dtype)
+            second = state_like(rm, f"{name}_sumsq", i, dtype=dtype)
+            count = scalar_state(f"{rm.name or f'batch_norm{i}'}.{name}_count", dtype)
+            n = pt.cast(stats.count, dtype)
+            self.accumulate[first] = first + n * stats.mean
+            self.accumulate[second] = second + n * (stats.var + pt.sqr(stats.mean))
+            self.accumulate[count] = count + n
+            self.buffers.append((first, second, count))
+            total = pt.switch(pt.gt(count, 1), count, np.asarray(2, dtype))
+            mean = first / total
+            var = (second / total - pt.sqr(mean)) * total / (total - 1)
+            for v, new in _running(stats, mean, var).items():
+                self.apply[v] = pt.switch(is_step, new, v)
+            zero = np.zeros((), dtype)
+            self.apply[first] = pt.zeros_like(first)
+            self.apply[second] = pt.zeros_like(second)
+            self.apply[count] = zero
+
+
+def recompute_running_stats(inputs: Sequence[Any], outputs: Any, batches: Any,
+                            mode: Any = None) -> int:
+    """Set the running statistics to the mean and unbiased variance over `batches`.
+
+    After :class:`~lasagne_accum.ModelAverage` or the EMA swaps averaged weights
+    in, the running statistics still belong to the raw weights: recompute them
+    on a few training batches (what PyTorch's ``torch.optim.swa_utils.update_bn``
+    does; it averages each batch's statistics, while here they are pooled over
+    all the batches' values, exact for batches of unequal sizes). Layers are
+    in training mode for the passes (each normalises with its batch's
+    statistics), as in PyTorch.
+
+    Parameters
+    ----------
+    inputs : list of symbolic variables
+        The inputs `outputs` need (the batch).
+    outputs : symbolic variable or list
+        What the batch-norm layers feed (the training loss, say: its graph
+        must use the training-mode layers).
+    batches : iterable of tuples
+        Each tuple is one call's inputs.
+    mode : str or Mode, optional
+        Compiled through :func:`lasagne_accum.mode` (default C).
+
+    Returns
+    -------
+    int
+        The number of batch-norm layers whose statistics were set.
+
+    Raises
+    ------
+    ValueError
+        If `outputs` depend on no training-mode batch-norm layer, or
+        `batches` is empty.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor, pytensor.tensor as pt
+    >>> import lasagne_accum as la
+    >>> from lasagne_accum.batch_norm import recompute_running_stats
+    >>> x = pt.matrix("x")
+    >>> sh = lambda v, n: pytensor.shared(np.array(v, dtype="float64"), name=n)
+    >>> rm, rv = sh([0.0], "rm"), sh([1.0], "rv")
+    >>> y = la.batch_norm(x, sh([1.0], "g"), sh([0.0], "b"), rm, rv)
+    >>> recompute_running_stats([x], y, [(np.array([[1.0], [2.0]]),), (np.array([[6.0]]),)])
+    1
+    >>> rm.get_value(), rv.get_value()          # mean and unbiased variance of 1, 2, 6
+    (array([3.]), array([7.]))
+    """
+    import pytensor
+
+    from .modes import mode as la_mode
+
+    layers = batch_norm_layers(outputs)
+    if not layers:
+        raise ValueError("recompute_running_stats(): outputs depend on no training-mode "
+                         "batch_norm()")
+    pooled = PooledBatchNorm(outputs, pt.constant(True), name="recompute")
+    gather = pytensor.function(list(inputs), [], updates=pooled.accumulate,
+                               mode=la_mode(mode or "CVM"))
+    calls = 0
+    for batch in batches:
+        gather(*batch)
+        calls += 1
+    if not calls:
+        raise ValueError("recompute_running_stats(): batches is empty")
+    final: Updates = OrderedDict()
+    for stats, (first, second, count) in zip(layers, pooled.buffers):
+        mean = first / count
+        var = (second / count - pt.sqr(mean)) * count / (count - 1)
+        final[stats.running_mean] = pt.cast(mean, stats.running_mean.type.dtype)
+        final[stats.running_var] = pt.cast(var, stats.running_var.type.dtype)
+    pytensor.function([], [], updates=final, mode=la_mode(mode or "CVM"))()
+    return len(layers)
