@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
+import pytensor
 import pytensor.tensor as pt
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.traversal import ancestors
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from ._typing import Updates
 
 __all__ = ["batch_norm", "batch_norm_updates", "batch_norm_layers", "BatchNormStats",
-           "PooledBatchNorm", "recompute_running_stats"]
+           "PooledBatchNorm", "ExactBatchNorm", "recompute_running_stats"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -53,6 +54,10 @@ class BatchNormStats:
     running_mean, running_var : shared variables
     alpha : float or TensorVariable
         The weight of a new value in the running averages.
+    x : TensorVariable
+        The layer's input.
+    axes : tuple of int
+        The axes the statistics are over.
     """
 
     mean: TensorVariable
@@ -61,6 +66,8 @@ class BatchNormStats:
     running_mean: SharedVariable
     running_var: SharedVariable
     alpha: Any
+    x: Any = None
+    axes: tuple = ()
 
 
 def _axes(x, axes) -> tuple[int, ...]:
@@ -216,7 +223,8 @@ def batch_norm(
     mean = x.mean(axis=axes)
     var = pt.sqr(x - expand(mean)).mean(axis=axes)
     out = (x - expand(mean)) / pt.sqrt(expand(var) + epsilon) * gamma_x + beta_x
-    out.tag.batch_norm = BatchNormStats(mean, var, count, running_mean, running_var, alpha)
+    out.tag.batch_norm = BatchNormStats(mean, var, count, running_mean, running_var, alpha,
+                                        x, axes)
     return out
 
 
@@ -400,3 +408,135 @@ def recompute_running_stats(inputs: Sequence[Any], outputs: Any, batches: Any,
         final[stats.running_var] = pt.cast(var, stats.running_var.type.dtype)
     pytensor.function([], [], updates=final, mode=la_mode(mode or "CVM"))()
     return len(layers)
+
+
+class ExactBatchNorm:
+    """The passes that give a window's batch-norm layers the statistics of the whole window.
+
+    With the window's micro-batches held, the large batch's gradient is computed exactly,
+    for any number of batch-norm layers, in ``2 L + 1`` passes over them (L layers):
+
+    1. statistics, layer by layer (l = 1..L): each pass sums the layer's input over
+       the micro-batches, the earlier layers normalised with the window's statistics
+       found before; the window's mean and biased variance are then fixed;
+    2. adjoints, layer by layer (l = L..1): the derivative of the window's loss with
+       respect to the layer's mean and variance (each micro-batch's share, summed), the
+       later layers' statistics entering through their adjoints found before;
+    3. gradients: each micro-batch's gradient of the surrogate
+       ``loss + sum_l (a_l . mean_l + b_l . var_l)`` with the statistics held fixed, into
+       the accumulation's buffers: their weighted sum is the large batch's gradient (the
+       chain rule through the statistics, with ``a_l``, ``b_l`` the adjoints).
+
+    Built by ``compile_accumulation(batch_norm="exact")``, which compiles the passes
+    and holds the micro-batches (:class:`~lasagne_accum.training.ExactTrainer`).
+
+    Parameters
+    ----------
+    loss : symbolic scalar
+        The micro-batch's loss, a mean over its examples, with training-mode layers.
+    weight : symbolic scalar
+        The micro-batch's number of examples.
+    """
+
+    def __init__(self, loss: Any, weight: Any) -> None:
+        from pytensor.graph.replace import graph_replace
+
+        self.layers = batch_norm_layers(loss)
+        if not self.layers:
+            raise ValueError("ExactBatchNorm: the loss depends on no training-mode batch_norm()")
+        dtype = self.layers[0].running_mean.type.dtype
+        #: the window's total weight, set before the passes
+        self.window = scalar_state("batch_norm.window_total", dtype, 1.0)
+        self.means, self.vars, self.adj_mean, self.adj_var = [], [], [], []
+        #: per layer, the number of values the window's statistics are over
+        self.n_values = []
+        for i, st in enumerate(self.layers):
+            rm = st.running_mean
+            self.n_values.append(scalar_state(f"{rm.name or f'batch_norm{i}'}.window_values",
+                                              dtype, 2.0))
+            self.means.append(state_like(rm, "window_mean", i))
+            self.vars.append(state_like(rm, "window_var", i, value=1.0))
+            self.adj_mean.append(state_like(rm, "window_mean_adjoint", i))
+            self.adj_var.append(state_like(rm, "window_var_adjoint", i))
+        replace = {}
+        for st, m, v in zip(self.layers, self.means, self.vars):
+            replace[st.mean] = m
+            replace[st.var] = v
+        cloned = graph_replace([loss, *[st.x for st in self.layers]], replace, strict=False)
+        self.loss, self.inputs = cloned[0], cloned[1:]
+        w = pt.cast(weight, dtype)
+        self.weight = w
+
+    def _expand(self, i, v):
+        st = self.layers[i]
+        pattern, j = [], 0
+        for a in range(st.x.type.ndim):
+            if a in st.axes:
+                pattern.append("x")
+            else:
+                pattern.append(j)
+                j += 1
+        return v.dimshuffle(pattern)
+
+    def _terms(self, i, adj_m, adj_v):
+        """``(a . sum h + b . sum (h - mean)^2) / weight`` of layer i, summed over examples."""
+        h = self.inputs[i]
+        axes = self.layers[i].axes
+        first = (self._expand(i, adj_m) * h).sum(axis=axes).sum()
+        second = (self._expand(i, adj_v) * pt.sqr(h - self._expand(i, self.means[i]))
+                  ).sum(axis=axes).sum()
+        return (first + second) / self.weight
+
+    def surrogate(self, after: int = -1) -> TensorVariable:
+        """The micro-batch's surrogate loss, with the adjoint terms of the layers after
+        `after` (-1: all): its weighted mean over the window has the large batch's
+        gradient (statistics held fixed)."""
+        out = self.loss
+        for i in range(after + 1, len(self.layers)):
+            out = out + self._terms(i, self.adj_mean[i], self.adj_var[i])
+        return out
+
+    def statistics_pass(self, i: int) -> tuple[Updates, Updates]:
+        """Pass 1 for layer i: the accumulate updates of its sums, and the updates that
+        turn them into the window's mean and biased variance (and zero them)."""
+        st, h = self.layers[i], self.inputs[i]
+        rm = st.running_mean
+        dtype = rm.type.dtype
+        total = state_like(rm, "window_sum", i)
+        total_sq = state_like(rm, "window_sumsq", i)
+        count = scalar_state(f"{rm.name or f'batch_norm{i}'}.window_count", dtype)
+        n = pt.cast(pt.prod([h.shape[a] for a in st.axes]), dtype)
+        gather = OrderedDict([(total, total + h.sum(axis=st.axes)),
+                              (total_sq, total_sq + pt.sqr(h).sum(axis=st.axes)),
+                              (count, count + n)])
+        mean = total / count
+        finish = OrderedDict([(self.means[i], mean),
+                              (self.vars[i], total_sq / count - pt.sqr(mean)),
+                              (self.n_values[i], count),
+                              (total, pt.zeros_like(total)), (total_sq, pt.zeros_like(total_sq)),
+                              (count, np.zeros((), dtype))])
+        return gather, finish
+
+    def adjoint_pass(self, i: int) -> tuple[Updates, Updates]:
+        """Pass 2 for layer i: the accumulate updates of its adjoints (each micro-batch's
+        weighted share), and the updates that fix them (and zero the sums)."""
+        rm = self.layers[i].running_mean
+        sums = [state_like(rm, "window_mean_adjoint_sum", i),
+                state_like(rm, "window_var_adjoint_sum", i)]
+        share = self.weight / pt.cast(self.window, self.weight.type.dtype)
+        grads = pytensor.grad(self.surrogate(after=i), [self.means[i], self.vars[i]])
+        gather = OrderedDict((s, s + share * g) for s, g in zip(sums, grads))
+        finish = OrderedDict([(self.adj_mean[i], sums[0]), (self.adj_var[i], sums[1]),
+                              (sums[0], pt.zeros_like(sums[0])),
+                              (sums[1], pt.zeros_like(sums[1]))])
+        return gather, finish
+
+    def running_updates(self, is_step: Any) -> Updates:
+        """The running averages moved once by the window's mean and unbiased variance."""
+        out: Updates = OrderedDict()
+        for i, st in enumerate(self.layers):
+            n = self.n_values[i]
+            var = self.vars[i] * n / (n - 1)
+            for v, new in _running(st, self.means[i], var).items():
+                out[v] = pt.switch(is_step, new, v)
+        return out

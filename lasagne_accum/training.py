@@ -18,7 +18,7 @@ import pytensor
 
 from ._checks import check_int, check_rule_updates
 from .accumulate import accumulate_gradients
-from .batch_norm import PooledBatchNorm, batch_norm_layers, batch_norm_updates
+from .batch_norm import ExactBatchNorm, PooledBatchNorm, batch_norm_layers, batch_norm_updates
 from .merge import merge_updates
 from .modes import default_modes, float_dtype, mode as la_mode
 from .noise import NoiseEstimate, gradient_noise
@@ -328,7 +328,7 @@ def compile_accumulation(
     skip_nonfinite: bool = False,
     noise_scale: bool | Mapping[str, Any] = False,
     batch_norm: str = "ghost",
-    running_stats: str = "each",
+    running_stats: str | None = None,
     outputs: Sequence[Variable] | None = None,
     extra_apply_updates: UpdatesLike | Callable[[UpdatesLike], UpdatesLike] | None = None,
     model_average: Mapping[str, Any] | None = None,
@@ -374,17 +374,21 @@ def compile_accumulation(
         window's estimate starts them) of ``|G|^2`` and ``tr(Sigma)``.
         `population`: the data set's size when batches are drawn from it
         without replacement (the finite-data correction).
-    batch_norm : {"ghost"}
+    batch_norm : {"ghost", "exact"}
         How the :func:`lasagne_accum.batch_norm` layers of `loss` are
-        normalised under accumulation: ``"ghost"``, each micro-batch with its
-        own statistics (a ghost batch: what a multi-device run computes per
-        device). ``"exact"`` (the window's statistics) is not available yet and
-        raises ``NotImplementedError``.
-    running_stats : {"each", "pooled"}
-        How the batch-norm layers' running averages move: ``"each"``, once per
-        micro-batch (a PyTorch loop over micro-batches); ``"pooled"``, once
-        per window with the window's pooled mean and variance (the running
-        averages of one large batch of the same activations;
+        normalised under accumulation: ``"ghost"`` (default), each micro-batch
+        with its own statistics (a ghost batch: what a multi-device run computes
+        per device); ``"exact"``, with the statistics of the whole window (what
+        one device with the large batch, or SyncBatchNorm, computes): the
+        trainer holds the window's micro-batches and, when the window is
+        complete, runs ``2 L + 1`` passes over them for L batch-norm layers
+        (:class:`lasagne_accum.batch_norm.ExactBatchNorm`; needs `weight`).
+    running_stats : {"each", "pooled"}, optional
+        How the batch-norm layers' running averages move: ``"each"`` (the
+        default with ghost batches), once per micro-batch (a PyTorch loop over
+        micro-batches); ``"pooled"`` (the only one with ``"exact"``), once per
+        window with the window's pooled mean and unbiased variance (the
+        running averages of one large batch of the same activations;
         :class:`lasagne_accum.batch_norm.PooledBatchNorm`).
     outputs : list of symbolic variables, optional
         Outputs of the per-batch function; default ``[loss]``.
@@ -464,14 +468,26 @@ def compile_accumulation(
     noise_options = _noise_options(noise_scale)
     if batch_norm not in ("ghost", "exact"):
         raise ValueError(f"batch_norm must be 'ghost' or 'exact', got {batch_norm!r}")
+    if running_stats is None:
+        running_stats = "pooled" if batch_norm == "exact" else "each"
     if running_stats not in ("each", "pooled"):
         raise ValueError(f"running_stats must be 'each' or 'pooled', got {running_stats!r}")
     bn_layers = batch_norm_layers(loss)
+    exact = None
     if batch_norm == "exact" and bn_layers:
-        raise NotImplementedError(
-            "batch_norm='exact' (statistics over the whole window) is not available yet; "
-            "batch_norm='ghost' normalises each micro-batch with its own statistics")
-    acc = accumulate_gradients(loss, params, average=average, weight=weight,
+        if running_stats != "pooled":
+            raise ValueError("batch_norm='exact' moves the running statistics once per window, "
+                             "with the window's statistics: running_stats must be 'pooled'")
+        if weight is None:
+            raise ValueError("batch_norm='exact' needs weight= (the number of examples in each "
+                             "micro-batch): the window's statistics weigh each by it")
+        if noise_scale:
+            raise ValueError("noise_scale cannot be measured with batch_norm='exact' (its "
+                             "micro-batch gradients are not samples of the large batch's); "
+                             "use batch_norm='ghost'")
+        exact = ExactBatchNorm(loss, weight)
+    acc = accumulate_gradients(loss if exact is None else exact.surrogate(), params,
+                               average=average, weight=weight,
                                max_norm=max_norm, skip_nonfinite=skip_nonfinite,
                                noise_scale=noise_options is not None, name=name)
     rule = check_rule_updates(update_rule, acc.grads, acc.params, dict(rule_kwargs or {}))
@@ -492,7 +508,9 @@ def compile_accumulation(
         averages["ema"] = ExponentialMovingAverage(acc.params, updates=stepped,
                                                    is_step=acc.is_step, **ema)
     accumulate_updates, running_apply = OrderedDict(acc.accumulate), OrderedDict()
-    if bn_layers and running_stats == "each":
+    if exact is not None:
+        running_apply = exact.running_updates(acc.is_step)
+    elif bn_layers and running_stats == "each":
         accumulate_updates = merge_updates(accumulate_updates, batch_norm_updates(loss))
     elif bn_layers:
         pooled = PooledBatchNorm(loss, acc.is_step, name=f"{name}_pooled")
@@ -506,7 +524,8 @@ def compile_accumulation(
     if mode is not None and apply_mode is None:
         apply_mode = mode
     accumulate_fn = pytensor.function(
-        list(inputs), loss if outputs is None else list(outputs), updates=accumulate_updates,
+        list(inputs), (loss if exact is None else exact.loss) if outputs is None else list(outputs),
+        updates=accumulate_updates,
         mode=la_mode(mode or default_acc),
     )
     # the window's total weight (trainer.examples) and the noise estimates, read before the
@@ -516,9 +535,15 @@ def compile_accumulation(
         apply_outputs += gradient_noise(acc, noise_options["population"]).outputs
     apply_fn = pytensor.function([], apply_outputs, updates=apply,
                                  mode=la_mode(apply_mode or default_apply))
-    trainer = AccumulationTrainer(accumulate_fn, apply_fn, acc, every, apply_updates=apply,
-                                  noise_decay=(noise_options or {}).get("decay"),
-                                  outputs_total=True, **averages)
+    if exact is not None:
+        trainer: AccumulationTrainer = ExactTrainer(
+            accumulate_fn, apply_fn, acc, every, apply_updates=apply, outputs_total=True,
+            passes=_exact_passes(exact, list(inputs), weight, mode or default_acc),
+            **averages)
+    else:
+        trainer = AccumulationTrainer(accumulate_fn, apply_fn, acc, every, apply_updates=apply,
+                                      noise_decay=(noise_options or {}).get("decay"),
+                                      outputs_total=True, **averages)
     trainer.accumulate_updates = accumulate_updates
     if hasattr(every, "bind"):
         every.bind(trainer)
@@ -526,6 +551,93 @@ def compile_accumulation(
         trainer.warm_up(*example)
     trainer.compile_seconds = time.perf_counter() - start
     return trainer
+
+
+class ExactTrainer(AccumulationTrainer):
+    """The trainer of ``compile_accumulation(batch_norm="exact")``.
+
+    :meth:`step` holds the micro-batch (its inputs) and returns None until the window
+    is complete; then it runs the passes of
+    :class:`~lasagne_accum.batch_norm.ExactBatchNorm` over the held micro-batches,
+    applies the rule, and returns the window's mean loss (the micro-batches' losses
+    under the window's statistics, weighted by their sizes). :meth:`flush` does the
+    same for a partial window. A checkpoint holds no micro-batches: :meth:`save`
+    refuses to save in the middle of a window.
+    """
+
+    def __init__(self, *args: Any, passes: dict[str, Any], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._passes = passes
+        self._held: list[tuple[Any, ...]] = []
+
+    @property
+    def pending(self) -> int:
+        """Micro-batches held for the window now filling."""
+        return len(getattr(self, "_held", ()))
+
+    def step(self, *batch: Any) -> Any:
+        self._pending = len(self._held)
+        window = self.window_size()
+        self._held.append(tuple(np.array(b, copy=True) for b in batch))
+        if len(self._held) >= window:
+            return self._run_window()
+        return None
+
+    def flush(self) -> bool:
+        if not self._held:
+            return False
+        self._run_window()
+        return True
+
+    def save(self, path: PathLike, *more: Any, metadata: Mapping[str, Any] | None = None
+             ) -> list[str]:
+        if self._held:
+            raise RuntimeError(
+                f"save(): batch_norm='exact' holds {len(self._held)} micro-batch(es) of an "
+                "unfinished window, which a checkpoint does not keep; save when a window is "
+                "complete (after the step that applied it, or after flush())")
+        return super().save(path, *more, metadata=metadata)
+
+    def _run_window(self) -> float:
+        p = self._passes
+        held, self._held = self._held, []
+        weights = [float(np.asarray(p["weight"](*b))) for b in held]
+        p["window"].set_value(np.asarray(sum(weights), p["window"].type.dtype))
+        for gather, finish in p["statistics"]:
+            for b in held:
+                gather(*b)
+            finish()
+        for gather, finish in p["adjoints"]:
+            for b in held:
+                gather(*b)
+            finish()
+        losses = []
+        for b in held:
+            out = self.accumulate_fn(*b)
+            losses.append(float(np.asarray(out[0] if isinstance(out, (list, tuple)) else out)))
+        self._pending = len(held)
+        self._apply()
+        return float(np.dot(weights, losses) / sum(weights))
+
+
+def _exact_passes(exact: ExactBatchNorm, inputs: list[Any], weight: Any, base: Any
+                  ) -> dict[str, Any]:
+    """Compile the statistics and adjoint passes of `exact` (first layer first for the
+    statistics, last layer first for the adjoints)."""
+    compiled = la_mode(base)
+
+    def pair(updates):
+        gather, finish = updates
+        return (pytensor.function(inputs, [], updates=gather, mode=compiled,
+                                  on_unused_input="ignore"),
+                pytensor.function([], [], updates=finish, mode=compiled))
+
+    layers = range(len(exact.layers))
+    return {"weight": pytensor.function(inputs, weight, mode=compiled,
+                                        on_unused_input="ignore"),
+            "window": exact.window,
+            "statistics": [pair(exact.statistics_pass(i)) for i in layers],
+            "adjoints": [pair(exact.adjoint_pass(i)) for i in reversed(layers)]}
 
 
 def _noise_options(noise_scale: Any) -> dict[str, Any] | None:

@@ -265,8 +265,7 @@ def test_bad_input_is_refused_and_nothing_is_lost():
         np.array_equal(rv.get_value(), np.ones(3))
     loss = y.sum()
     for kwargs, error, match in ((dict(running_stats="window"), ValueError, "running_stats"),
-                                 (dict(batch_norm="sync"), ValueError, "batch_norm must be"),
-                                 (dict(batch_norm="exact"), NotImplementedError, "not available")):
+                                 (dict(batch_norm="sync"), ValueError, "batch_norm must be")):
         with pytest.raises(error, match=match):
             la.compile_accumulation([x], loss, [g, b], la.sgd, dict(learning_rate=0.1),
                                     **kwargs)
@@ -307,3 +306,80 @@ def test_the_same_numbers_in_c_numba_and_jax(mode):
         results[m] = [v.get_value() for v in params + running]
     for a, c in zip(results[mode], results["CVM"]):
         np.testing.assert_allclose(np.asarray(a), c, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("rule, sizes", [("momentum", (B,) * K), ("adam", (B,) * K),
+                                         ("momentum", (5, 11, 8, 9))],
+                         ids=["momentum", "adam", "unequal"])
+def test_exact_pooled_equals_torch_on_the_concatenated_batch(rule, sizes):
+    """batch_norm='exact' (running_stats='pooled') equals PyTorch training on the window's
+    micro-batches concatenated, in one forward and backward (= SyncBatchNorm), after every
+    window: parameters and running statistics."""
+    fn, kwargs, torch_opt = RULES[rule]
+    trainer, params, running = _ours_exact(fn, kwargs)
+    model = TorchModel()
+    opt = torch_opt(model.parameters())
+    X, T = _data(sizes)
+    start = 0
+    for w in range(WINDOWS):
+        total = sum(sizes)
+        outs = []
+        for size in sizes:
+            outs.append(trainer.step(X[start:start + size], T[start:start + size]))
+            start += size
+        assert outs[:-1] == [None] * (len(sizes) - 1) and trainer.steps == w + 1
+        opt.zero_grad()
+        out = model(torch.tensor(X[start - total:start]))
+        loss = torch.nn.functional.cross_entropy(out, torch.tensor(T[start - total:start]))
+        loss.backward()
+        opt.step()
+        assert outs[-1] == pytest.approx(float(loss), rel=1e-10)
+        # atol 1e-10: the large batch's gradient summed in another order differs at 1e-16 of
+        # its scale, which Adam's first steps (g / |g|) enlarge for an element near 0
+        for ours, theirs in zip(params, model.params()):
+            np.testing.assert_allclose(ours.get_value(), theirs, rtol=1e-10, atol=1e-10,
+                                       err_msg=f"{rule} window {w}")
+        for ours, theirs in zip(running, model.running()):
+            np.testing.assert_allclose(ours.get_value(), theirs, rtol=1e-10, atol=1e-12)
+
+
+def _ours_exact(rule, kwargs):
+    (l1, l2, l3), (bn1, bn2) = _init()
+    names = iter(range(100))
+    sh = lambda v: _shared(v, f"e{next(names)}")  # noqa: E731
+    W = [(sh(l1[0]),), (sh(l2[0]),), (sh(l3[0]), sh(l3[1]))]
+    G = [(sh(g), sh(b)) for g, b in (bn1, bn2)]
+    R = [(_shared(np.zeros(n), f"erm{i}"), _shared(np.ones(n), f"erv{i}"))
+         for i, n in enumerate(SIZES[1:3])]
+    x, t = pt.matrix("x", dtype="float64"), pt.vector("t", dtype="int64")
+    h = x
+    for i in range(2):
+        h = pt.maximum(la.batch_norm(h @ W[i][0], *G[i], *R[i]), 0)
+    logits = h @ W[2][0] + W[2][1]
+    logp = logits - pt.logsumexp(logits, axis=1, keepdims=True)
+    loss = -logp[pt.arange(t.shape[0]), t].mean()
+    params = [p for pair in W for p in pair] + [p for pair in G for p in pair]
+    trainer = la.compile_accumulation([x, t], loss, params, rule, kwargs, every=K,
+                                      weight=x.shape[0], batch_norm="exact")
+    return trainer, params, [v for pair in R for v in pair]
+
+
+def test_exact_mode_refuses_what_it_cannot_do(tmp_path):
+    trainer, params, running = _ours_exact(la.sgd, dict(learning_rate=0.1))
+    X, T = _data([B] * K)
+    trainer.step(X[:B], T[:B])
+    before = [p.get_value().copy() for p in params]
+    with pytest.raises(RuntimeError, match="holds 1 micro-batch"):
+        trainer.save(tmp_path / "c.npz")
+    assert trainer.flush() is True and trainer.steps == 1      # a window of one: the batch
+    assert not all(np.array_equal(p.get_value(), b) for p, b in zip(params, before))
+    trainer.save(tmp_path / "c.npz")                            # at a boundary: fine
+    x, t = pt.matrix("x"), pt.vector("t", dtype="int64")
+    g, b = _shared(np.ones(3), "g"), _shared(np.zeros(3), "b")
+    y = la.batch_norm(x, g, b, _shared(np.zeros(3), "m"), _shared(np.ones(3), "v"))
+    for kwargs, match in ((dict(running_stats="each", weight=x.shape[0]), "must be 'pooled'"),
+                          (dict(), "needs weight="),
+                          (dict(weight=x.shape[0], noise_scale=True), "noise_scale cannot")):
+        with pytest.raises(ValueError, match=match):
+            la.compile_accumulation([x], y.sum(), [g, b], la.sgd, dict(learning_rate=0.1),
+                                    batch_norm="exact", **kwargs)
