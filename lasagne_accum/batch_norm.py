@@ -178,10 +178,10 @@ def batch_norm(
     (array([0.2, 0.4]), array([1.1, 1.7]))
     """
     x = pt.as_tensor_variable(x)
-    for label, v in (("running_mean", running_mean), ("running_var", running_var)):
-        if not isinstance(v, SharedVariable):
+    for label, stat in (("running_mean", running_mean), ("running_var", running_var)):
+        if not isinstance(stat, SharedVariable):
             raise TypeError(f"batch_norm(): {label} must be a shared variable, got "
-                            f"{type(v).__name__}")
+                            f"{type(stat).__name__}")
     if not (isinstance(epsilon, (int, float)) and epsilon > 0):
         raise ValueError(f"batch_norm(): epsilon must be a positive number, got {epsilon!r}")
     if not (isinstance(alpha, (int, float)) and 0 < alpha <= 1):
@@ -190,9 +190,9 @@ def batch_norm(
     kept = [a for a in range(x.type.ndim) if a not in axes]
     stat_shape = [x.type.shape[a] for a in kept]
     known = list(stat_shape)   # each statistic's length, from x or from the first that says
-    for label, v in (("gamma", gamma), ("beta", beta), ("running_mean", running_mean),
-                     ("running_var", running_var)):
-        v = pt.as_tensor_variable(v)
+    for label, given in (("gamma", gamma), ("beta", beta), ("running_mean", running_mean),
+                         ("running_var", running_var)):
+        v = pt.as_tensor_variable(given)
         value_shape = (np.shape(v.get_value(borrow=True)) if isinstance(v, SharedVariable)
                        else v.type.shape)
         if v.type.ndim != len(kept) or any(
@@ -245,7 +245,8 @@ def _running(stats: BatchNormStats, mean, var_unbiased, valid=None) -> Updates:
     """The running averages' updates; with `valid`, each reads its old value through a
     check of it, so that a failed check raises before any of them is written (in place)."""
     rm, rv = stats.running_mean, stats.running_var
-    old_m, old_v = rm, rv
+    old_m: Any = rm
+    old_v: Any = rv
     if valid is not None:
         from pytensor.raise_op import Assert
 
@@ -328,7 +329,7 @@ class PooledBatchNorm:
             var = (second / total - pt.sqr(mean)) * total / (total - 1)
             for v, new in _running(stats, mean, var).items():
                 self.apply[v] = pt.switch(is_step, new, v)
-            zero = np.zeros((), dtype)
+            zero: Any = np.zeros((), dtype)
             self.apply[first] = pt.zeros_like(first)
             self.apply[second] = pt.zeros_like(second)
             self.apply[count] = zero
@@ -401,7 +402,8 @@ def recompute_running_stats(inputs: Sequence[Any], outputs: Any, batches: Any,
     if not calls:
         raise ValueError("recompute_running_stats(): batches is empty")
     final: Updates = OrderedDict()
-    for stats, (first, second, count) in zip(layers, pooled.buffers):
+    for stats, buffers in zip(layers, pooled.buffers):
+        first, second, count = (pt.as_tensor_variable(v) for v in buffers)
         mean = first / count
         var = (second / count - pt.sqr(mean)) * count / (count - 1)
         final[stats.running_mean] = pt.cast(mean, stats.running_mean.type.dtype)
@@ -458,11 +460,12 @@ class ExactBatchNorm:
             self.vars.append(state_like(rm, "window_var", i, value=1.0))
             self.adj_mean.append(state_like(rm, "window_mean_adjoint", i))
             self.adj_var.append(state_like(rm, "window_var_adjoint", i))
-        replace = {}
+        replace: dict[Any, Any] = {}
         for st, m, v in zip(self.layers, self.means, self.vars):
             replace[st.mean] = m
             replace[st.var] = v
-        cloned = graph_replace([loss, *[st.x for st in self.layers]], replace, strict=False)
+        cloned: Any = graph_replace([loss, *[st.x for st in self.layers]], replace,
+                                    strict=False)
         self.loss, self.inputs = cloned[0], cloned[1:]
         w = pt.cast(weight, dtype)
         self.weight = w
@@ -491,15 +494,16 @@ class ExactBatchNorm:
         """The micro-batch's surrogate loss, with the adjoint terms of the layers after
         `after` (-1: all): its weighted mean over the window has the large batch's
         gradient (statistics held fixed)."""
-        out = self.loss
+        out: Any = self.loss
         for i in range(after + 1, len(self.layers)):
             out = out + self._terms(i, self.adj_mean[i], self.adj_var[i])
         return out
 
-    def statistics_pass(self, i: int) -> tuple[Updates, Updates]:
+    def statistics_pass(self, i: int) -> tuple[Any, Any]:
         """Pass 1 for layer i: the accumulate updates of its sums, and the updates that
         turn them into the window's mean and biased variance (and zero them)."""
-        st, h = self.layers[i], self.inputs[i]
+        st = self.layers[i]
+        h: Any = self.inputs[i]
         rm = st.running_mean
         dtype = rm.type.dtype
         total = state_like(rm, "window_sum", i)
@@ -517,14 +521,14 @@ class ExactBatchNorm:
                               (count, np.zeros((), dtype))])
         return gather, finish
 
-    def adjoint_pass(self, i: int) -> tuple[Updates, Updates]:
+    def adjoint_pass(self, i: int) -> tuple[Any, Any]:
         """Pass 2 for layer i: the accumulate updates of its adjoints (each micro-batch's
         weighted share), and the updates that fix them (and zero the sums)."""
         rm = self.layers[i].running_mean
         sums = [state_like(rm, "window_mean_adjoint_sum", i),
                 state_like(rm, "window_var_adjoint_sum", i)]
         share = self.weight / pt.cast(self.window, self.weight.type.dtype)
-        grads = pytensor.grad(self.surrogate(after=i), [self.means[i], self.vars[i]])
+        grads: Any = pytensor.grad(self.surrogate(after=i), [self.means[i], self.vars[i]])
         gather = OrderedDict((s, s + share * g) for s, g in zip(sums, grads))
         finish = OrderedDict([(self.adj_mean[i], sums[0]), (self.adj_var[i], sums[1]),
                               (sums[0], pt.zeros_like(sums[0])),
