@@ -61,8 +61,9 @@ GROUPS = [
     ("Batch normalisation", "Ghost batches and running statistics under accumulation "
      "(:doc:`accumulation`).",
      [("lasagne_accum", ["batch_norm", "batch_norm_updates"]),
-      ("lasagne_accum.batch_norm", ["PooledBatchNorm", "BatchNormStats", "batch_norm_layers",
-                                    "recompute_running_stats"])]),
+      ("lasagne_accum.batch_norm", ["PooledBatchNorm", "ExactBatchNorm", "BatchNormStats",
+                                    "batch_norm_layers", "recompute_running_stats"]),
+      ("lasagne_accum.training", ["ExactTrainer"])]),
     ("The batch size", "The gradient noise scale and batch-size schedules "
      "(:doc:`batch-size`).",
      [("lasagne_accum", ["gradient_noise", "GradientNoise", "NoiseEstimate",

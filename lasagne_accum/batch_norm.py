@@ -8,7 +8,8 @@ without synchronised batch norm computes per device. The running averages then
 move either once per micro-batch (:func:`batch_norm_updates`, ``"each"``: a
 PyTorch loop over micro-batches) or once per window with the window's pooled
 statistics (:class:`PooledBatchNorm`, ``"pooled"``: the running averages of one
-large batch of the same activations).
+large batch of the same activations). :class:`ExactBatchNorm` gives the window's
+micro-batches the statistics of the whole window instead, the exact large batch.
 
 The running statistics follow PyTorch's ``torch.nn.BatchNorm*`` convention:
 ``running_mean := (1 - alpha) running_mean + alpha mean`` and

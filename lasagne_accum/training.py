@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .model_average import ExponentialMovingAverage, ModelAverage
     from ._typing import Params, PathLike, Scalar, UpdateRule, UpdatesLike
 
-__all__ = ["compile_accumulation", "AccumulationTrainer", "run_epoch"]
+__all__ = ["compile_accumulation", "AccumulationTrainer", "ExactTrainer", "run_epoch"]
 
 
 def _copy_of(value: Any) -> Any:
