@@ -183,8 +183,9 @@ def render(store):
             release = (f" with PyTensor {key.split(':', 1)[1]}" if ":" in key else "")
             lines += [f"Measured on {record['date']} at commit ``{commit}`` on "
                       f"{record['machine']}{release}; reproduce with ``{record['command']}``.",
-                      "", record.get("blas") or "BLAS and kernel not recorded (measured "
-                      "before the page recorded them).", "", "::", ""]
+                      "", f"``{record['blas']}``" if record.get("blas") else
+                      "BLAS and kernel not recorded (measured before the page recorded them).",
+                      "", "::", ""]
             lines += ["    " + ln if ln.strip() else ""
                       for ln in scrub(record["output"]).splitlines()]
             lines += [""]

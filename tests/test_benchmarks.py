@@ -249,4 +249,4 @@ def test_performance_page_topics_name_existing_scripts(tmp_path, monkeypatch):
     assert "BLAS and kernel not recorded" in text               # a run from before
     blas = "BLAS: C backend: openblas 0.3.21, kernel Prescott"
     text = open(page.render({"inplace": dict(record, blas=blas)})).read()
-    assert f"\n{blas}\n\n::\n\n    a table" in text
+    assert f"\n``{blas}``\n\n::\n\n    a table" in text     # literal: no RST markup

@@ -74,7 +74,8 @@ def test_the_performance_page_is_rendered_from_its_store(tmp_path, monkeypatch):
     assert re.search(r"(?<![\w.~/-])/(tmp|root|home|usr)/", rendered) is None
     # a verdict only against a target the issues hold: the accumulate step against a
     # forward-backward call, and a non-stepping single-function call against it
-    held = ("accumulate / fwd-bwd <= 1.0", "non-step / acc <= 1.05")
+    held = ("accumulate / fwd-bwd <= 1.0", "non-step / acc <= 1.05",
+            "window with noise_scale / without <= 1.05")
     assert all(any(t in line for t in held) for line in rendered.splitlines() if "MISS" in line)
     assert page_py.scrub("-Wl,-rpath,/opt/py/lib; log /tmp/x-1.log; 1/5/15 min; 2 / 1") == (
         "-Wl,-rpath,<path>; log <path>; 1/5/15 min; 2 / 1")
