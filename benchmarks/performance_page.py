@@ -53,6 +53,11 @@ TOPICS = {
         "What ``compile_accumulation(noise_scale=True)`` adds to a window (one squared-norm "
         "reduction per micro-batch, the estimates at each apply), in C and Numba.",
         ["benchmarks/noise.py"]),
+    "batch_norm": (
+        "Batch normalisation",
+        "A window with the exact large batch's statistics (``batch_norm=\"exact\"``, 2 L + 1 "
+        "passes) against ghost batches, one and two batch-norm layers.",
+        ["benchmarks/batch_norm.py"]),
     "backends": (
         "Backends",
         "Milliseconds per call of the forward-backward, accumulate and apply steps on each "

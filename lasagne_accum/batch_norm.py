@@ -217,13 +217,14 @@ def batch_norm(
         return pt.as_tensor_variable(v).dimshuffle(pattern)
 
     gamma_x, beta_x = expand(gamma), expand(beta)
+    eps = np.asarray(epsilon, dtype=x.type.dtype)       # a Python float would upcast float32
     if deterministic:
-        return (x - expand(running_mean)) / pt.sqrt(expand(running_var) + epsilon) * gamma_x \
+        return (x - expand(running_mean)) / pt.sqrt(expand(running_var) + eps) * gamma_x \
             + beta_x
     count = pt.prod([x.shape[a] for a in axes]) if len(axes) > 1 else x.shape[axes[0]]
     mean = x.mean(axis=axes)
     var = pt.sqr(x - expand(mean)).mean(axis=axes)
-    out = (x - expand(mean)) / pt.sqrt(expand(var) + epsilon) * gamma_x + beta_x
+    out = (x - expand(mean)) / pt.sqrt(expand(var) + eps) * gamma_x + beta_x
     out.tag.batch_norm = BatchNormStats(mean, var, count, running_mean, running_var, alpha,
                                         x, axes)
     return out

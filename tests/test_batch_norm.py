@@ -383,3 +383,17 @@ def test_exact_mode_refuses_what_it_cannot_do(tmp_path):
         with pytest.raises(ValueError, match=match):
             la.compile_accumulation([x], y.sum(), [g, b], la.sgd, dict(learning_rate=0.1),
                                     batch_norm="exact", **kwargs)
+
+
+@pytest.mark.real_backend
+def test_a_float32_layer_stays_float32_compiled():
+    x = pt.matrix("x", dtype="float32")
+    sh = lambda v, n: pytensor.shared(np.asarray(v, "float32"), name=n)  # noqa: E731
+    rm, rv = sh(np.zeros(3), "rm32"), sh(np.ones(3), "rv32")
+    y = la.batch_norm(x, sh(np.ones(3), "g32"), sh(np.zeros(3), "b32"), rm, rv)
+    ev = la.batch_norm(x, sh(np.ones(3), "g32e"), sh(np.zeros(3), "b32e"), rm, rv,
+                       deterministic=True)
+    f = pytensor.function([x], [y, ev], updates=la.batch_norm_updates(y), mode=la.mode("CVM"))
+    out = f(np.random.default_rng(0).normal(size=(4, 3)).astype("float32"))
+    assert [o.dtype for o in out] == ["float32", "float32"]
+    assert rm.get_value().dtype == rv.get_value().dtype == np.float32

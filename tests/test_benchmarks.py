@@ -32,6 +32,7 @@ SCRIPTS = sorted(f for f in os.listdir(BENCH)
 
 # a line of each script's table, and which of its numbers must be positive
 TABLE_ROW = {
+    "batch_norm.py": r"^2\s+5\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)",
     "accumulation.py": r"^ ?4 apply / accumulate\s+([\d.]+)\s+([\d.]+)",
     "backends.py": r"^numba\s+float32\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)",
     "cold_start.py": r"^\s+1\s+fastcompile\s+([\d.]+)\s+([\d.]+)",
