@@ -23,6 +23,7 @@ sys.path.insert(0, EXAMPLES)
 
 pytest.importorskip("sklearn")
 
+import batch_norm_digits  # noqa: E402
 import batch_size_noise_scale  # noqa: E402
 import cross_minibatch  # noqa: E402
 import digits_cnn  # noqa: E402
@@ -568,3 +569,22 @@ def test_batch_size_noise_scale_table(tmp_path, capsys):
     _, examples, _ = zip(*rows[1]["curve"])
     assert set(np.diff(examples)) <= {128, 116} and 128 in set(np.diff(examples))
     assert (tmp_path / "batch_size_noise_scale.png").exists()
+
+
+# ------------------------------------------------------------- batch_norm_digits
+
+
+def test_batch_norm_digits_trains_three_ways(capsys):
+    result = batch_norm_digits.main(["--quick", "--epochs", "1", "--mode", "CVM"])
+    out = capsys.readouterr().out
+    (row,) = result["rows"]
+    assert set(row) == {"ghost", "ghost-pooled", "exact"}
+    for loss, acc in row.values():
+        assert finite(loss, acc) and 0 <= acc <= 1
+    # ghost and ghost-pooled train the same parameters (only the running averages differ)
+    ghost, pooled = (result["trainers"][n] for n in ("ghost", "ghost-pooled"))
+    assert ghost.steps == pooled.steps == result["trainers"]["exact"].steps > 0
+    for a, b in zip(ghost.accumulation.params, pooled.accumulation.params):
+        np.testing.assert_array_equal(a.get_value(), b.get_value())
+    assert result["gap"] > 0 and "largest |ghost - exact|" in out
+    assert re.search(r"^\s+1\s+\S+\s+\S+%", out, re.M)
