@@ -1029,3 +1029,22 @@ def test_server_average_arguments_are_checked():
     with pytest.raises(TypeError, match="ema: updates are the server's to set"):
         train(build_model, [batches_for(1, [2])], sgd, dict(learning_rate=0.1),
               ema=dict(decay=0.9, updates={}))
+
+
+def build_model_with_batch_norm(seed=0):
+    """build_model with a batch-norm layer on the hidden units (module level: picklable)."""
+    import lasagne_accum as la
+
+    inputs, _, params = build_model(seed)
+    x, y = inputs
+    W1, b1, W2, b2 = params
+    bn = [pytensor.shared(np.full(N_HID, v), name=n) for v, n in
+          ((1.0, "g"), (0.0, "b"), (0.0, "rm"), (1.0, "rv"))]
+    pred = pt.tanh(la.batch_norm(x @ W1 + b1, *bn)) @ W2 + b2
+    return [x, y], pt.mean(pt.sum((pred - y) ** 2, axis=1)), [W1, b1, W2, b2]
+
+
+def test_a_model_with_batch_norm_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="batch_norm\\(\\) layers, which the parameter server"):
+        train(build_model_with_batch_norm, [batches_for(1, [4, 4])], adam,
+              dict(learning_rate=0.05), mode="sync", compile_mode="CVM")

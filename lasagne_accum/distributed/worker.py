@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 import numpy as np
 
 from ..accumulate import accumulate_gradients
+from ..batch_norm import batch_norm_layers
 from ..training import AccumulationTrainer
 from .._checks import check_int
 from .checks import check_worker_id, param_specs
@@ -112,6 +113,11 @@ class Worker:
                 raise ValueError(f"worker {worker_id!r}: param {n!r} is {spec} in the model, "
                                  f"{server.specs[n]} on the server")
         self.params = OrderedDict(zip(names, params))
+        if batch_norm_layers(loss):
+            raise ValueError(
+                f"worker {worker_id!r}: the model has batch_norm() layers, which the parameter "
+                "server does not handle yet (their running statistics would live in each "
+                "trainer, unsaved); train it with compile_accumulation")
         acc = self._accumulation = accumulate_gradients(loss, params, weight=weight)
         self._step = compile_function(inputs, loss, acc.accumulate, compile_mode,
                                       role="accumulate")
