@@ -21,14 +21,13 @@ windows. No target: the passes are what exactness costs; the guide says so.
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (  # noqa: E402
-    Worker, batch, interleaved_rounds, load_average, median, serve, worker_io,
+    Worker, batch, interleaved_rounds, load_average, median, serve, step_windows, worker_io,
 )
 
 import lasagne_accum as la  # noqa: E402
@@ -62,29 +61,8 @@ def build(layers, kind):
 
 
 def worker(args, proto):
-    trainers = {kind: build(args.worker, kind) for kind in ("ghost", "exact")}
-    data = batch("float32")
-    clock = time.perf_counter
-
-    def window(trainer):
-        start = clock()
-        for _ in range(EVERY):
-            trainer.step(*data)
-        return clock() - start
-
-    for _ in range(3):
-        for trainer in trainers.values():
-            window(trainer)
-
-    def measure(r):
-        t = {"ghost": [], "exact": []}
-        for i in range(args.windows):
-            for name in (("ghost", "exact") if i % 2 else ("exact", "ghost")):
-                t[name].append(window(trainers[name]))
-        out = {n: median(v) for n, v in t.items()}
-        out["ratio"] = median(a / b for a, b in zip(t["exact"], t["ghost"]))
-        return out
-
+    trainers = {kind: build(args.worker, kind) for kind in ("exact", "ghost")}
+    measure = step_windows(trainers, batch("float32"), EVERY, args.windows)
     serve(proto, {}, measure)
 
 

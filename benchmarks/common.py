@@ -15,7 +15,8 @@ Every script under ``benchmarks/`` (``distributed.py`` aside) builds on this:
 * **Timing.** :func:`per_call` (per-call wall times), :func:`time_calls`
   (mean or median of back-to-back calls, after a warm-up),
   :func:`time_windows` (accumulate and apply calls of windows of N batches,
-  each call timed), :func:`median`.
+  each call timed), :func:`step_windows` (two trainers' windows, alternating, and
+  their ratio), :func:`median`.
 * **Workers.** Each library (and each thread setting) runs in its own
   process, started by :class:`Worker` with the thread count pinned (the
   thread variables of OpenBLAS, OpenMP, MKL, Numba, XLA and the CPU
@@ -259,6 +260,39 @@ def time_windows(accumulate, apply, every, windows, args=()):
         apply()
         apply_t.append(clock() - t0)
     return acc_t, apply_t
+
+
+def step_windows(trainers, data, every, windows, warmup=3):
+    """Time windows of `every` ``trainer.step(*data)`` calls of two trainers, alternating.
+
+    `trainers` is ``{name: trainer}`` with two entries, ``(a, b)`` in order. Warm-up windows
+    first (JIT compilation); then `windows` windows of each, the order swapped every
+    window. Returns ``measure(r)`` for :func:`serve`: the median window of each (seconds)
+    and ``"ratio"``, the median of ``a / b`` over neighbouring windows.
+    """
+    clock = time.perf_counter
+    a, b = trainers
+
+    def window(trainer):
+        start = clock()
+        for _ in range(every):
+            trainer.step(*data)
+        return clock() - start
+
+    for _ in range(warmup):
+        for trainer in trainers.values():
+            window(trainer)
+
+    def measure(r):
+        t = {a: [], b: []}
+        for i in range(windows):
+            for name in ((b, a) if i % 2 else (a, b)):
+                t[name].append(window(trainers[name]))
+        out = {n: median(v) for n, v in t.items()}
+        out["ratio"] = median(x / y for x, y in zip(t[a], t[b]))
+        return out
+
+    return measure
 
 
 def median(values):

@@ -20,12 +20,12 @@ ratios of neighbouring windows (per round, then the median over rounds).
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (  # noqa: E402
-    Worker, batch, interleaved_rounds, load_average, median, mlp, serve, worker_io,
+    Worker, batch, interleaved_rounds, load_average, median, mlp, serve, step_windows,
+    worker_io,
 )
 
 import lasagne_accum as la  # noqa: E402
@@ -43,30 +43,9 @@ def build(mode, noise):
 
 
 def worker(args, proto):
-    trainers = {"plain": build(args.worker, False), "noise": build(args.worker, True)}
-    data = batch("float32")
-    clock = time.perf_counter
-
-    def window(trainer):
-        start = clock()
-        for _ in range(EVERY):
-            trainer.step(*data)
-        return clock() - start
-
-    for _ in range(3):  # warm-up (JIT compilation, first-call allocations)
-        for trainer in trainers.values():
-            window(trainer)
-
-    def measure(r):
-        t = {"plain": [], "noise": []}
-        for i in range(args.windows):
-            for name in (("plain", "noise") if i % 2 else ("noise", "plain")):
-                t[name].append(window(trainers[name]))
-        out = {n: median(v) for n, v in t.items()}
-        out["ratio"] = median(a / b for a, b in zip(t["noise"], t["plain"]))
-        return out
-
-    serve(proto, {"b_simple": trainers["noise"].noise_scale}, measure)
+    trainers = {"noise": build(args.worker, True), "plain": build(args.worker, False)}
+    measure = step_windows(trainers, batch("float32"), EVERY, args.windows)
+    serve(proto, {}, measure)
 
 
 def main():

@@ -64,26 +64,27 @@ def _init(seed=1):
     return layers, bn
 
 
-def _ours(rule, kwargs, running_stats="each", mode=None):
+def _ours(rule, kwargs, prefix="p", **options):
+    """Our two-BN-layer model compiled by compile_accumulation(**options): the trainer, the
+    parameters (in TorchModel.params' order) and the running statistics."""
     (l1, l2, l3), (bn1, bn2) = _init()
     names = iter(range(100))
-    sh = lambda v: _shared(v, f"p{next(names)}")  # noqa: E731
+    sh = lambda v: _shared(v, f"{prefix}{next(names)}")  # noqa: E731
+    # no bias before a batch norm (see TorchModel)
     W = [(sh(l1[0]),), (sh(l2[0]),), (sh(l3[0]), sh(l3[1]))]
     G = [(sh(g), sh(b)) for g, b in (bn1, bn2)]
-    R = [(_shared(np.zeros(n), f"rm{i}"), _shared(np.ones(n), f"rv{i}"))
+    R = [(_shared(np.zeros(n), f"{prefix}rm{i}"), _shared(np.ones(n), f"{prefix}rv{i}"))
          for i, n in enumerate(SIZES[1:3])]
     x, t = pt.matrix("x", dtype="float64"), pt.vector("t", dtype="int64")
     h = x
     for i in range(2):
-        h = h @ W[i][0]
-        h = pt.maximum(la.batch_norm(h, *G[i], *R[i]), 0)
+        h = pt.maximum(la.batch_norm(h @ W[i][0], *G[i], *R[i]), 0)
     logits = h @ W[2][0] + W[2][1]
     logp = logits - pt.logsumexp(logits, axis=1, keepdims=True)
     loss = -logp[pt.arange(t.shape[0]), t].mean()
     params = [p for pair in W for p in pair] + [p for pair in G for p in pair]
     trainer = la.compile_accumulation([x, t], loss, params, rule, kwargs, every=K,
-                                      weight=x.shape[0], running_stats=running_stats,
-                                      mode=mode)
+                                      weight=x.shape[0], **options)
     return trainer, params, [v for pair in R for v in pair]
 
 
@@ -316,7 +317,7 @@ def test_exact_pooled_equals_torch_on_the_concatenated_batch(rule, sizes):
     micro-batches concatenated, in one forward and backward (= SyncBatchNorm), after every
     window: parameters and running statistics."""
     fn, kwargs, torch_opt = RULES[rule]
-    trainer, params, running = _ours_exact(fn, kwargs)
+    trainer, params, running = _ours(fn, kwargs, prefix="e", batch_norm="exact")
     model = TorchModel()
     opt = torch_opt(model.parameters())
     X, T = _data(sizes)
@@ -343,29 +344,9 @@ def test_exact_pooled_equals_torch_on_the_concatenated_batch(rule, sizes):
             np.testing.assert_allclose(ours.get_value(), theirs, rtol=1e-10, atol=1e-12)
 
 
-def _ours_exact(rule, kwargs):
-    (l1, l2, l3), (bn1, bn2) = _init()
-    names = iter(range(100))
-    sh = lambda v: _shared(v, f"e{next(names)}")  # noqa: E731
-    W = [(sh(l1[0]),), (sh(l2[0]),), (sh(l3[0]), sh(l3[1]))]
-    G = [(sh(g), sh(b)) for g, b in (bn1, bn2)]
-    R = [(_shared(np.zeros(n), f"erm{i}"), _shared(np.ones(n), f"erv{i}"))
-         for i, n in enumerate(SIZES[1:3])]
-    x, t = pt.matrix("x", dtype="float64"), pt.vector("t", dtype="int64")
-    h = x
-    for i in range(2):
-        h = pt.maximum(la.batch_norm(h @ W[i][0], *G[i], *R[i]), 0)
-    logits = h @ W[2][0] + W[2][1]
-    logp = logits - pt.logsumexp(logits, axis=1, keepdims=True)
-    loss = -logp[pt.arange(t.shape[0]), t].mean()
-    params = [p for pair in W for p in pair] + [p for pair in G for p in pair]
-    trainer = la.compile_accumulation([x, t], loss, params, rule, kwargs, every=K,
-                                      weight=x.shape[0], batch_norm="exact")
-    return trainer, params, [v for pair in R for v in pair]
-
-
 def test_exact_mode_refuses_what_it_cannot_do(tmp_path):
-    trainer, params, running = _ours_exact(la.sgd, dict(learning_rate=0.1))
+    trainer, params, running = _ours(la.sgd, dict(learning_rate=0.1), prefix="e",
+                                     batch_norm="exact")
     X, T = _data([B] * K)
     trainer.step(X[:B], T[:B])
     before = [p.get_value().copy() for p in params]

@@ -120,13 +120,10 @@ def test_every_callable_returning_a_bad_k_is_refused_and_nothing_is_lost():
             trainer.step(X[:16], Y[:16])
 
 
-def test_a_schedule_keyed_in_examples_advances_by_the_window_total():
-    """sgd with a warm-up keyed in examples, under a ramp, against numpy's true batches."""
+def _sgd_under_the_ramp(trainer, rate):
+    """Feed the ramp's micro-batches to `trainer`; numpy's sgd on the true batches, with the
+    learning rate ``rate(examples_before, k)``: both parameters and the examples seen."""
     X, Y = _data()
-    warm = schedules.linear_warmup(0.0, 0.1, warmup_steps=320, unit="examples")
-    x, y, params, loss = _model("ex")
-    trainer = la.compile_accumulation([x, y], loss, params, la.sgd, dict(learning_rate=warm),
-                                      every=ramp, weight=x.shape[0])
     W, b = np.full((5, 2), 0.1), np.zeros(2)
     start = 0
     for k, count in RAMP:
@@ -136,36 +133,35 @@ def test_a_schedule_keyed_in_examples_advances_by_the_window_total():
                              Y[start + i * MICRO:start + (i + 1) * MICRO])
             xb, yb = X[start:start + k * MICRO], Y[start:start + k * MICRO]
             r = 2 * (xb @ W + b - yb) / yb.size
-            lr = min(start, 320) / 320 * 0.1
+            lr = rate(start, k)
             W, b = W - lr * xb.T @ r, b - lr * r.sum(0)
             start += k * MICRO
+    return W, b, start
+
+
+def test_a_schedule_keyed_in_examples_advances_by_the_window_total():
+    """sgd with a warm-up keyed in examples, under a ramp, against numpy's true batches."""
+    warm = schedules.linear_warmup(0.0, 0.1, warmup_steps=320, unit="examples")
+    x, y, params, loss = _model("ex")
+    trainer = la.compile_accumulation([x, y], loss, params, la.sgd, dict(learning_rate=warm),
+                                      every=ramp, weight=x.shape[0])
+    W, b, seen = _sgd_under_the_ramp(trainer, lambda start, k: min(start, 320) / 320 * 0.1)
     np.testing.assert_allclose(params[0].get_value(), W, rtol=1e-12)
     np.testing.assert_allclose(params[1].get_value(), b, rtol=1e-12)
     counter = next(v for v in trainer.apply_updates if v.name == "sgd.schedule_step")
-    assert int(counter.get_value()) == start == trainer.examples
+    assert int(counter.get_value()) == seen == trainer.examples
 
 
 @pytest.mark.parametrize("scaling, power", [(schedules.linear_scaling, 1.0),
                                             (schedules.sqrt_scaling, 0.5)])
 def test_scaling_rules_follow_the_run_time_batch(scaling, power):
-    X, Y = _data()
     x, y, params, loss = _model("sc")
-    lr = scaling(0.01, 16, None)
-    trainer = la.compile_accumulation([x, y], loss, params, la.sgd, dict(learning_rate=lr),
+    trainer = la.compile_accumulation([x, y], loss, params, la.sgd,
+                                      dict(learning_rate=scaling(0.01, 16, None)),
                                       every=ramp, weight=x.shape[0])
-    W, b = np.full((5, 2), 0.1), np.zeros(2)
-    start = 0
-    for k, count in RAMP:
-        for _ in range(count):
-            for i in range(k):
-                trainer.step(X[start + i * MICRO:start + (i + 1) * MICRO],
-                             Y[start + i * MICRO:start + (i + 1) * MICRO])
-            xb, yb = X[start:start + k * MICRO], Y[start:start + k * MICRO]
-            r = 2 * (xb @ W + b - yb) / yb.size
-            rate = 0.01 * (k * MICRO / 16) ** power
-            W, b = W - rate * xb.T @ r, b - rate * r.sum(0)
-            start += k * MICRO
+    W, b, _ = _sgd_under_the_ramp(trainer, lambda start, k: 0.01 * (k * MICRO / 16) ** power)
     np.testing.assert_allclose(params[0].get_value(), W, rtol=1e-12)
+    np.testing.assert_allclose(params[1].get_value(), b, rtol=1e-12)
     assert scaling(0.01, 16, 64) == pytest.approx(0.01 * 4 ** power)
 
 
