@@ -86,6 +86,20 @@ def _axes(x, axes) -> tuple[int, ...]:
     return tuple(sorted(axes))
 
 
+def _in_layout(v: Any, ndim: int, axes: tuple[int, ...]) -> TensorVariable:
+    """A statistic (x's shape without `axes`) in x's layout: a broadcastable axis for each
+    normalised one."""
+    pattern: list[Any] = []
+    kept = 0
+    for a in range(ndim):
+        if a in axes:
+            pattern.append("x")
+        else:
+            pattern.append(kept)
+            kept += 1
+    return pt.as_tensor_variable(v).dimshuffle(pattern)
+
+
 def batch_norm(
     x: TensorVariable,
     gamma: Any,
@@ -206,15 +220,7 @@ def batch_norm(
         known = [b if a is None else a for a, b in zip(known, value_shape)]
 
     def expand(v):
-        """A statistic in x's layout (a broadcastable axis for each normalised one)."""
-        pattern, i = [], 0
-        for a in range(x.type.ndim):
-            if a in axes:
-                pattern.append("x")
-            else:
-                pattern.append(i)
-                i += 1
-        return pt.as_tensor_variable(v).dimshuffle(pattern)
+        return _in_layout(v, x.type.ndim, axes)
 
     gamma_x, beta_x = expand(gamma), expand(beta)
     eps = np.asarray(epsilon, dtype=x.type.dtype)       # a Python float would upcast float32
@@ -474,14 +480,7 @@ class ExactBatchNorm:
 
     def _expand(self, i, v):
         st = self.layers[i]
-        pattern, j = [], 0
-        for a in range(st.x.type.ndim):
-            if a in st.axes:
-                pattern.append("x")
-            else:
-                pattern.append(j)
-                j += 1
-        return v.dimshuffle(pattern)
+        return _in_layout(v, st.x.type.ndim, st.axes)
 
     def _terms(self, i, adj_m, adj_v):
         """``(a . sum h + b . sum (h - mean)^2) / weight`` of layer i, summed over examples."""
