@@ -472,11 +472,19 @@ class ExactBatchNorm:
         for st, m, v in zip(self.layers, self.means, self.vars):
             replace[st.mean] = m
             replace[st.var] = v
+        #: the layers' batch statistics -> the window's (shared variables)
+        self.replace = replace
         cloned: Any = graph_replace([loss, *[st.x for st in self.layers]], replace,
                                     strict=False)
         self.loss, self.inputs = cloned[0], cloned[1:]
         w = pt.cast(weight, dtype)
         self.weight = w
+
+    def with_window_statistics(self, outputs: Sequence[Any]) -> list[Any]:
+        """`outputs` of the training graph, with the window's statistics in every layer."""
+        from pytensor.graph.replace import graph_replace
+
+        return list(graph_replace(list(outputs), self.replace, strict=False))
 
     def _expand(self, i, v):
         st = self.layers[i]

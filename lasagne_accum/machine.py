@@ -418,7 +418,8 @@ def report_lines(dtypes: tuple[str, ...] = DTYPES) -> tuple[list[str], list[str]
     if not c_libs:
         lines.append(f"  {'C backend':<20} {_unidentified_c_blas()}")
     jax = _optional("jax")
-    lines.append(f"  JAX                  {'not installed' if jax is None else 'XLA own kernels; devices ' + str(jax.devices())}")
+    jax_line = "not installed" if jax is None else f"XLA's own kernels; devices {jax.devices()}"
+    lines.append(f"  JAX                  {jax_line}")
     torch = _optional("torch")
     if torch is None:
         lines.append("  PyTorch              not installed")

@@ -521,11 +521,13 @@ def compile_accumulation(
 
     default_acc, default_apply = (None, None) if mode is not None else \
         default_modes(float_dtype(acc.params))
+    fn_outputs: Any = loss if outputs is None else list(outputs)
+    if exact is not None:   # the window's statistics in the outputs too
+        fn_outputs = exact.loss if outputs is None else exact.with_window_statistics(outputs)
     if mode is not None and apply_mode is None:
         apply_mode = mode
     accumulate_fn = pytensor.function(
-        list(inputs), (loss if exact is None else exact.loss) if outputs is None else list(outputs),
-        updates=accumulate_updates,
+        list(inputs), fn_outputs, updates=accumulate_updates,
         mode=la_mode(mode or default_acc),
     )
     # the window's total weight (trainer.examples) and the noise estimates, read before the
@@ -682,7 +684,8 @@ def run_epoch(
     Returns
     -------
     float
-        The mean of the first output over the batches (the mean loss).
+        The mean of the first output over the batches (the mean loss; with
+        ``batch_norm="exact"``, over the windows' mean losses).
 
     Examples
     --------
@@ -701,6 +704,8 @@ def run_epoch(
     losses = []
     for batch in bar:
         out = trainer.step(*batch)
+        if out is None:      # batch_norm="exact" holds the batch until its window is complete
+            continue
         first = out[0] if isinstance(out, (list, tuple)) else out
         losses.append(float(np.asarray(first)))
         bar.set(f"loss {losses[-1]:.4f}")

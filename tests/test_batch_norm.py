@@ -378,3 +378,12 @@ def test_a_float32_layer_stays_float32_compiled():
     out = f(np.random.default_rng(0).normal(size=(4, 3)).astype("float32"))
     assert [o.dtype for o in out] == ["float32", "float32"]
     assert rm.get_value().dtype == rv.get_value().dtype == np.float32
+
+
+def test_run_epoch_with_the_exact_mode_averages_the_windows_losses():
+    trainer, params, running = _ours(la.sgd, dict(learning_rate=0.1), prefix="r",
+                                     batch_norm="exact")
+    X, T = _data([B] * K)
+    batches = [(X[i * B:(i + 1) * B], T[i * B:(i + 1) * B]) for i in range(K + 2)]
+    loss = la.run_epoch(trainer, batches, progress=False)
+    assert trainer.steps == 2 and np.isfinite(loss)     # a full window and a flushed pair

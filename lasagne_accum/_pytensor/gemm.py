@@ -27,7 +27,8 @@ from pytensor.tensor.blas import Dot22, Gemm
 
 from . import source_key
 
-__all__ = ["NumbaGemm", "NumbaDot22", "numba_gemm_rewrites", "gemm_reset", "to_numba_gemm", "register_numba"]
+__all__ = ["NumbaGemm", "NumbaDot22", "numba_gemm_rewrites", "gemm_reset", "to_numba_gemm",
+           "register_numba"]
 
 _registered: set[str] = set()
 
