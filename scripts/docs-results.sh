@@ -20,4 +20,7 @@ cp "$out/cross_minibatch.png" examples/results/
 $PY examples/batch_size_noise_scale.py --out "$out" \
     | sed -n '/^run /,/^(-:/p' > docs/_static/batch_size_noise_scale.txt
 cp "$out/batch_size_noise_scale.png" examples/results/
+$PY examples/increase_batch_size.py --no-progress --out "$out" > /dev/null
+cp "$out/increase_batch_size.txt" docs/_static/
+cp "$out/increase_batch_size.png" examples/results/
 echo "docs-results: docs/_static/*.txt and examples/results/*.png updated"

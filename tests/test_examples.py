@@ -28,6 +28,7 @@ import batch_size_noise_scale  # noqa: E402
 import cross_minibatch  # noqa: E402
 import digits_cnn  # noqa: E402
 import distributed_digits  # noqa: E402
+import increase_batch_size  # noqa: E402
 import large_batch_small_memory  # noqa: E402
 import memory_plan  # noqa: E402
 import mlp_digits  # noqa: E402
@@ -588,3 +589,25 @@ def test_batch_norm_digits_trains_three_ways(capsys):
         np.testing.assert_array_equal(a.get_value(), b.get_value())
     assert result["gap"] > 0 and "largest |ghost - exact|" in out
     assert re.search(r"^\s+1\s+\S+\s+\S+%", out, re.M)
+
+
+# ------------------------------------------------------------ increase_batch_size
+
+
+def test_increase_batch_size_writes_its_table_and_plot(tmp_path, capsys):
+    results = increase_batch_size.main(["--quick", "--seeds", "1", "--epochs", "3",
+                                        "--no-progress", "--mode", "CVM",
+                                        "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    table = (tmp_path / "increase_batch_size.txt").read_text()
+    assert table.strip() in out
+    rows = re.findall(r"^(decay lr|increase batch)\s+([\d.]+)\s+([\d.]+)\s+(\d+)$",
+                      table, re.M)
+    assert [r[0] for r in rows] == ["decay lr", "increase batch"]
+    for _, acc, std, updates in rows:
+        assert 0 <= float(acc) <= 100 and float(std) >= 0 and int(updates) > 0
+    # the same examples, in fewer updates once the batch grows (K = 1, 5, 25 by thirds)
+    decay, increase = (results[k][0] for k in ("decay lr", "increase batch"))
+    assert increase["updates"] < decay["updates"]
+    assert len(decay["curve"]) == len(increase["curve"]) == 3
+    assert (tmp_path / "increase_batch_size.png").exists()
