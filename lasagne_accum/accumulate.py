@@ -246,7 +246,7 @@ class AccumulateUpdates(OrderedDict):
         The number of batches accumulated in the current window.
     accumulation : Accumulation
         The object this dictionary belongs to.
-    total, skipped, norm, is_step, guard
+    total, skipped, norm, grad_sq, is_step, guard
         As on :class:`Accumulation`.
     """
 
@@ -271,6 +271,10 @@ class AccumulateUpdates(OrderedDict):
     @property
     def norm(self) -> TensorVariable | None:
         return self.accumulation.norm
+
+    @property
+    def grad_sq(self) -> SharedVariable | None:
+        return self.accumulation.grad_sq
 
     @property
     def is_step(self) -> TensorVariable:

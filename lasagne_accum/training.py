@@ -136,7 +136,9 @@ class AccumulationTrainer:
     ) -> None:
         self.accumulate_fn = accumulate_fn
         self.apply_updates = apply_updates if apply_updates is not None else {}
-        self.accumulate_updates: UpdatesLike = OrderedDict(accumulation.accumulate)
+        # an Accumulation, or its accumulate dictionary (which is the updates itself)
+        self.accumulate_updates: UpdatesLike = OrderedDict(
+            getattr(accumulation, "accumulate", accumulation))
         self.apply_fn = apply_fn
         self.accumulation = accumulation
         self.every = every
