@@ -137,8 +137,8 @@ class AccumulationTrainer:
         self.accumulate_fn = accumulate_fn
         self.apply_updates = apply_updates if apply_updates is not None else {}
         # an Accumulation, or its accumulate dictionary (which is the updates itself)
-        self.accumulate_updates: UpdatesLike = OrderedDict(
-            getattr(accumulation, "accumulate", accumulation))
+        updates: Any = getattr(accumulation, "accumulate", accumulation)
+        self.accumulate_updates: UpdatesLike = OrderedDict(updates)
         self.apply_fn = apply_fn
         self.accumulation = accumulation
         self.every = every
