@@ -27,7 +27,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (  # noqa: E402
-    Worker, batch, interleaved_rounds, load_average, median, serve, step_windows, worker_io,
+    batch, load_average, median, run_workers, serve, step_windows,
+    worker_io,
 )
 
 import lasagne_accum as la  # noqa: E402
@@ -81,15 +82,8 @@ def main():
         return
     print(load_average())
     here = os.path.abspath(__file__)
-    workers = [Worker(here, n, ["--windows", str(args.windows)], log=sys.stderr)
-               for n in LAYERS]
-    try:
-        for w in workers:
-            w.ready()
-        samples = interleaved_rounds(workers, args.rounds)
-    finally:
-        for w in workers:
-            w.close()
+    _, samples = run_workers([dict(script=here, name=n, args=["--windows", str(args.windows)])
+                              for n in LAYERS], args.rounds, log=sys.stderr)
     med = {k: median(v) for k, v in samples.items()}
     print(f"784-512(-512)-10 MLP with a batch-norm layer after each hidden dense layer, "
           f"batch 64, float32, adam, windows of {EVERY}, default modes; one process per "

@@ -24,7 +24,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (  # noqa: E402
-    Worker, batch, interleaved_rounds, load_average, median, mlp, serve, step_windows,
+    batch, load_average, median, mlp, run_workers, serve, step_windows,
     worker_io,
 )
 
@@ -63,14 +63,8 @@ def main():
         return
     print(load_average())
     here = os.path.abspath(__file__)
-    workers = [Worker(here, m, ["--windows", str(args.windows)], log=sys.stderr) for m in MODES]
-    try:
-        for w in workers:
-            w.ready()
-        samples = interleaved_rounds(workers, args.rounds)
-    finally:
-        for w in workers:
-            w.close()
+    _, samples = run_workers([dict(script=here, name=n, args=["--windows", str(args.windows)])
+                              for n in MODES], args.rounds, log=sys.stderr)
     med = {k: median(v) for k, v in samples.items()}
     print(f"784-512-10 MLP, batch 64, float32, adam, windows of {EVERY}; one process per mode, "
           f"{args.rounds} interleaved rounds x {args.windows} windows of each, alternating")
