@@ -361,9 +361,48 @@ def write_state(path: PathLike, objects: Any, metadata: Mapping[str, Any] | None
             f"save_state(): {len(made_up)} variable(s) have no unique name and are saved "
             f"under order-dependent keys ({', '.join(made_up)}); load_state() refuses "
             "them. Give every shared variable a unique name.", UserWarning, stacklevel=2)
-    return save_arrays(path, OrderedDict((n, as_host_array(v.get_value(borrow=True)))
+    return save_arrays(path, OrderedDict((n, _as_array(v.get_value(borrow=True)))
                                          for n, v in named.items()),
                        metadata=metadata, library=library)
+
+
+#: The bit generators whose state a checkpoint can hold (numpy's own).
+BIT_GENERATORS = ("PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64")
+
+
+def _as_array(value: Any) -> np.ndarray:
+    """A variable's value as the array a checkpoint holds.
+
+    A random generator (the ``rng`` of ``pt.random`` draws, a dropout mask's) is
+    kept as the UTF-8 JSON text of its bit generator's state, in a uint8 array.
+    """
+    if not isinstance(value, np.random.Generator):
+        return as_host_array(value)
+
+    def plain(obj):
+        if isinstance(obj, dict):
+            return {k: plain(v) for k, v in obj.items()}
+        if isinstance(obj, np.ndarray):
+            return obj.tolist()
+        return obj.item() if isinstance(obj, np.generic) else obj
+
+    state = plain(value.bit_generator.state)
+    return np.frombuffer(json.dumps(state).encode("utf-8"), np.uint8).copy()
+
+
+def _generator(name: str, text: np.ndarray, path: Any) -> np.random.Generator:
+    """The random generator that :func:`_as_array` wrote as `text`; ValueError if it is not."""
+    try:
+        state = json.loads(bytes(np.asarray(text, np.uint8)).decode("utf-8"))
+        kind = state["bit_generator"]
+        if kind not in BIT_GENERATORS:
+            raise ValueError(f"bit generator {kind!r} is not one of {', '.join(BIT_GENERATORS)}")
+        bits = getattr(np.random, kind)()
+        bits.state = state
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError, OverflowError) as exc:
+        raise ValueError(f"cannot load {path}; nothing was loaded:\n  {name}: not the state "
+                         f"of a numpy random generator ({exc})") from None
+    return np.random.Generator(bits)
 
 
 # ------------------------------------------------------------------ reading
@@ -601,17 +640,28 @@ def read_state(path: PathLike, objects: Any, strict: bool = True
             "which saved array belongs to which is a guess; give every shared variable a "
             "unique name (pytensor.shared(value, name=...)) and save again")
     expected = OrderedDict()
+    generators = set()
     for name, var in named.items():
-        current = as_host_array(var.get_value(borrow=True))
+        value = var.get_value(borrow=True)
+        if isinstance(value, np.random.Generator):   # its state as JSON text: any length
+            generators.add(name)
+            expected[name] = (None, np.dtype(np.uint8))
+            continue
+        current = as_host_array(value)
         expected[name] = (current.shape, current.dtype)
     # state that older checkpoints lack, with the value that is right for them
     # (the single-function form's `<name>.zeroed`: False, the buffers are reset)
     defaults = {name: var.tag.checkpoint_default for name, var in named.items()
                 if hasattr(var.tag, "checkpoint_default")}
     arrays, extras = _read(path, expected, strict=strict, optional=defaults)
+    for name in generators & set(arrays):   # every check before the first value is set
+        arrays[name] = _generator(name, arrays[name], path)
     for name, default in defaults.items():
         if name not in arrays:
             write_value(named[name], np.asarray(default, dtype=expected[name][1]))
     for name, value in arrays.items():
-        write_value(named[name], value)
+        if name in generators:
+            named[name].set_value(value)
+        else:
+            write_value(named[name], value)
     return extras["metadata"] or {}, extras["lasagne_accum"] or {}, list(arrays)

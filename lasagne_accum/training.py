@@ -332,6 +332,7 @@ def compile_accumulation(
     batch_norm: str = "ghost",
     running_stats: str | None = None,
     outputs: Sequence[Variable] | None = None,
+    extra_accumulate_updates: UpdatesLike | Callable[[UpdatesLike], UpdatesLike] | None = None,
     extra_apply_updates: UpdatesLike | Callable[[UpdatesLike], UpdatesLike] | None = None,
     model_average: Mapping[str, Any] | None = None,
     ema: Mapping[str, Any] | None = None,
@@ -394,10 +395,19 @@ def compile_accumulation(
         :class:`lasagne_accum.batch_norm.PooledBatchNorm`).
     outputs : list of symbolic variables, optional
         Outputs of the per-batch function; default ``[loss]``.
+    extra_accumulate_updates : dict or callable, optional
+        More updates for the accumulate function, so that they run once per
+        micro-batch and may use the batch's inputs: running statistics of your
+        own layers, a random generator's next state (dropout: ``{rng:
+        next_rng}``). A callable receives the accumulate dictionary (the
+        buffers' updates) and returns the extra updates. Saved by
+        :meth:`AccumulationTrainer.save` with the rest. Not with
+        ``batch_norm="exact"``, which evaluates each micro-batch several times.
     extra_apply_updates : dict or callable, optional
         More updates for the apply function, so that they run once per
         optimizer step. A callable receives the rule's update dictionary and
-        returns the extra updates.
+        returns the extra updates. The apply function has no inputs: an update
+        that needs the batch's belongs in `extra_accumulate_updates`.
     model_average, ema : dict, optional
         Keyword arguments of :class:`~lasagne_accum.ModelAverage` and
         :class:`~lasagne_accum.ExponentialMovingAverage` (``params``,
@@ -426,8 +436,9 @@ def compile_accumulation(
     TypeError, ValueError
         On bad `every`, `update_rule` or inputs (see
         :func:`accumulate_gradients`), `model_average` or `ema` that are not
-        dicts of their class's keywords, or an extra update of a variable the
-        rule updates too.
+        dicts of their class's keywords, an extra update of a variable the
+        rule or the accumulation updates too, or an extra apply update that
+        needs the batch's inputs.
 
     Examples
     --------
@@ -497,10 +508,8 @@ def compile_accumulation(
         # the extras see the rule's new values (an average of the stepped parameters)
         extra_apply_updates = extra_apply_updates(OrderedDict(rule))
     if extra_apply_updates:
-        clash = [getattr(v, "name", None) or repr(v) for v in extra_apply_updates if v in rule]
-        if clash:
-            raise ValueError(f"extra_apply_updates updates {', '.join(clash)}, which the rule "
-                             "updates too")
+        _check_extra("extra_apply_updates", extra_apply_updates, rule, "the rule")
+        _check_no_batch_inputs(extra_apply_updates)
     stepped = acc.guard(merge_updates(rule, extra_apply_updates))
     averages: dict[str, Any] = {}
     if model_average is not None:
@@ -518,6 +527,17 @@ def compile_accumulation(
         pooled = PooledBatchNorm(loss, acc.is_step, name=f"{name}_pooled")
         accumulate_updates = merge_updates(accumulate_updates, pooled.accumulate)
         running_apply = pooled.apply
+    if callable(extra_accumulate_updates):
+        extra_accumulate_updates = extra_accumulate_updates(OrderedDict(accumulate_updates))
+    if extra_accumulate_updates:
+        if exact is not None:
+            raise ValueError("extra_accumulate_updates cannot be used with batch_norm='exact': "
+                             "it evaluates each micro-batch several times per window, so "
+                             "per-batch updates (a random generator's) would not run once per "
+                             "micro-batch; use batch_norm='ghost'")
+        _check_extra("extra_accumulate_updates", extra_accumulate_updates, accumulate_updates,
+                     "the accumulation (its buffers, or the batch-norm running averages)")
+        accumulate_updates = merge_updates(accumulate_updates, extra_accumulate_updates)
     apply = merge_updates(stepped, *(a.updates for a in averages.values()), running_apply,
                           acc.reset)
 
@@ -642,6 +662,31 @@ def _exact_passes(exact: ExactBatchNorm, inputs: list[Any], weight: Any, base: A
             "window": exact.window,
             "statistics": [pair(exact.statistics_pass(i)) for i in layers],
             "adjoints": [pair(exact.adjoint_pass(i)) for i in reversed(layers)]}
+
+
+def _check_extra(label: str, extra: UpdatesLike, taken: UpdatesLike, whose: str) -> None:
+    """Refuse extra updates of variables that `taken` (another side's updates) updates."""
+    clash = [getattr(v, "name", None) or repr(v) for v in extra if v in taken]
+    if clash:
+        raise ValueError(f"{label} updates {', '.join(clash)}, which {whose} updates too")
+
+
+def _check_no_batch_inputs(extra: UpdatesLike) -> None:
+    """Refuse apply-side updates that need inputs (the apply function has none)."""
+    from pytensor.compile.sharedvalue import SharedVariable
+    from pytensor.graph.basic import Constant
+    from pytensor.graph.traversal import ancestors
+
+    for var, new in extra.items():
+        needed = [v for v in ancestors([new]) if v.owner is None
+                  and not isinstance(v, (SharedVariable, Constant))]
+        if needed:
+            names = ", ".join(sorted({getattr(v, "name", None) or repr(v) for v in needed}))
+            raise ValueError(
+                f"extra_apply_updates: the update of {getattr(var, 'name', None) or var!r} "
+                f"needs {names}, an input of the batch, and the apply function has no inputs; "
+                "put per-batch updates (running statistics, a random generator's next state) "
+                "in extra_accumulate_updates")
 
 
 def _noise_options(noise_scale: Any) -> dict[str, Any] | None:

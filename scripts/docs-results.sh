@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerate what the user guide shows from the examples' own output: the tables in
-# docs/_static/*.txt and the plots in examples/results/. Each takes seconds to a minute.
+# docs/_static/*.txt and the plots in examples/results/. Each takes seconds to minutes.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 EXTRAS="${EXTRAS:-examples,test}" bash "$ROOT/scripts/setup.sh"
@@ -20,7 +20,19 @@ cp "$out/cross_minibatch.png" examples/results/
 $PY examples/batch_size_noise_scale.py --out "$out" \
     | sed -n '/^run /,/^(-:/p' > docs/_static/batch_size_noise_scale.txt
 cp "$out/batch_size_noise_scale.png" examples/results/
-$PY examples/increase_batch_size.py --no-progress --out "$out" > /dev/null
-cp "$out/increase_batch_size.txt" docs/_static/
-cp "$out/increase_batch_size.png" examples/results/
+# the four findings of docs/reproducing.rst: each table with the time it took, and where
+cpu="$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)"
+finding() {
+    local name="$1"; shift
+    local start=$SECONDS
+    $PY "examples/$name.py" --no-progress --out "$out" "$@" > /dev/null
+    { cat "$out/$name.txt"
+      echo "($((SECONDS - start)) s on $(nproc) cores of ${cpu:-an unknown CPU})"
+    } > "docs/_static/$name.txt"
+    cp "$out/$name.png" examples/results/
+}
+finding increase_batch_size
+finding steps_to_target
+finding linear_scaling_warmup
+finding ghost_batch_norm
 echo "docs-results: docs/_static/*.txt and examples/results/*.png updated"

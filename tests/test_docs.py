@@ -55,7 +55,7 @@ def test_the_api_reference_groups_every_public_name():
 def test_the_examples_page_names_every_example():
     page = (DOCS / "examples.rst").read_text()
     scripts = sorted(p.name for p in (ROOT / "examples").glob("*.py") if p.name != "models.py")
-    assert len(scripts) == 11
+    assert len(scripts) == 14
     for script in scripts:
         assert f"``{script}``" in page, script
 

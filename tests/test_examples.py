@@ -34,6 +34,7 @@ import memory_plan  # noqa: E402
 import mlp_digits  # noqa: E402
 import model_average  # noqa: E402
 import models  # noqa: E402
+import steps_to_target  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")   # tools/fastcompile.py
 
@@ -611,3 +612,48 @@ def test_increase_batch_size_writes_its_table_and_plot(tmp_path, capsys):
     assert increase["updates"] < decay["updates"]
     assert len(decay["curve"]) == len(increase["curve"]) == 3
     assert (tmp_path / "increase_batch_size.png").exists()
+
+
+# ------------------------------------------------------------ steps_to_target
+
+
+def test_steps_to_target_fit_recovers_the_model_it_fits():
+    # points drawn from S = S_min + E_min / B itself: the fit returns its parameters,
+    # with R^2 = 1, and far below B_crit the slope is close to -1
+    B = 2.0 ** np.arange(8)
+    s_min, e_min = 30.0, 4000.0
+    got_s, got_e, r2 = steps_to_target.fit(B, s_min + e_min / B)
+    assert got_s == pytest.approx(s_min, rel=1e-6) and got_e == pytest.approx(e_min, rel=1e-6)
+    assert r2 == pytest.approx(1.0)
+    assert steps_to_target.slope_below(B, 1.0 / B, 64) == pytest.approx(-1.0)
+    assert steps_to_target.slope_below(B, 1.0 / B, 1.5) is None   # one point
+
+
+def test_steps_to_target_writes_its_table_and_plot(tmp_path, capsys):
+    result = steps_to_target.main(["--quick", "--powers", "3", "--max-epochs", "4",
+                                   "--noise-windows", "2", "--noise-k", "4",
+                                   "--out", str(tmp_path)] + FAST)
+    out = capsys.readouterr().out
+    table = (tmp_path / "steps_to_target.txt").read_text()
+    assert table.strip() in out
+    rows = re.findall(r"^\s+(\d+)\s+(\d+|never)\s", table, re.M)
+    assert [int(B) for B, _ in rows] == [8, 16, 32]
+    # one compiled trainer served every run: 3 batch sizes x 3 rates x 1 momentum
+    assert len(result["found"]) == 9
+    reached = [int(s) for _, s in rows if s != "never"]
+    assert all(s > 0 for s in reached)
+    if "momentum" in result["fits"]:
+        f = result["fits"]["momentum"]
+        assert f["b_crit"] == pytest.approx(f["e_min"] / f["s_min"])
+        assert re.search(r"^momentum: S_min [\d.]+ steps, E_min \d+ examples, B_crit \d+",
+                         table, re.M)
+    assert result["b_simple"] is None or result["b_simple"] > 0
+    assert "B_simple" in table
+    assert (tmp_path / "steps_to_target.png").exists()
+
+
+def test_steps_to_target_refuses_bad_grids():
+    for bad in (["--momenta", "1.0"], ["--lrs", "0,0.1"], ["--lrs", "x"]):
+        with pytest.raises(SystemExit) as exc:
+            steps_to_target.parse_args(bad)
+        assert exc.value.code != 0
