@@ -4,7 +4,7 @@ Each backend's results are compared with the C backend's (whose numbers the
 other test modules check against independent numpy references), every
 function compiled with ``lasagne_accum.mode(<backend>)``. A backend is
 skipped only when its package is missing. (What PyTensor's own modes get
-wrong without the library's fixes: ``tests/test_upstream.py``.)
+wrong without the library's fixes: ``tests/test_upstream_*.py``.)
 
 This is the module that compiles for real (the root ``conftest.py`` runs the
 others with Python implementations), and compiling is what costs: seconds per

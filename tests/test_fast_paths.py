@@ -488,7 +488,7 @@ def test_lazy_step_zeroes_its_zero_states_after_reading_them(dtype):
 def test_plain_modes_and_jax_pytorch_get_the_plain_ifelse(mode):
     """Compiled with PyTensor's own modes the single-function form is PyTensor's
     ``IfElse`` (its one node inlined), and so it is under JAX and PyTorch with ours.
-    (PyTensor's own PyTorch mode cannot compile Adam: ``tests/test_upstream.py``.)"""
+    (PyTensor's own PyTorch mode cannot compile Adam: ``tests/test_upstream_pytorch.py``.)"""
     if mode in ("JAX", "PYTORCH"):
         pytest.importorskip(mode.lower() if mode == "JAX" else "torch")
     W, _ = _lazy_model("float64", "CVM")

@@ -2,11 +2,13 @@
 
 Everything here is private: custom ops (:mod:`.lazy_step`, :mod:`.gemm`),
 graph rewrites, and fixes to PyTensor's C, JAX and PyTorch backends
-(:mod:`.literals`, :mod:`.linkers`). None of it is active unless a function
-is compiled with :func:`lasagne_accum.mode`, which includes our rewrites by
-their tags (``lasagne_accum_c``, ``lasagne_accum_numba``, ...) and links
-with our JAX and PyTorch linkers; no predefined PyTensor mode includes those
-tags, and importing the package registers nothing.
+(:mod:`.literals`, and our linkers: :mod:`.jax_linker`, :mod:`.pytorch_linker`
+and :mod:`.host_linker`, beside what they share in :mod:`.linkers`). None of
+it is active unless a function is compiled with :func:`lasagne_accum.mode`,
+which includes our rewrites by their tags (``lasagne_accum_c``,
+``lasagne_accum_numba``, ...) and links with our JAX and PyTorch linkers; no
+predefined PyTensor mode includes those tags, and importing the package
+registers nothing.
 
 The seam is tested against the PyTensor releases in :data:`SUPPORTED`.
 Outside them :func:`supported` warns once and :func:`lasagne_accum.mode`
@@ -31,7 +33,7 @@ __all__ = ["SUPPORTED", "supported", "version_tuple", "register_rewrites", "TAGS
 SUPPORTED = ("3.0.7", "3.4")
 
 #: Our backend fixes that PyTensor has made unnecessary, and the first release
-#: tested without the bug (``tests/test_upstream.py`` checks both sides).
+#: tested without the bug (``tests/test_upstream_*.py`` check both sides).
 FIXED_UPSTREAM = {
     "jax_arange": "3.3",   # constant bounds no longer reach jnp.arange as int8
 }

@@ -10,6 +10,9 @@ constant written as a float64 constant holding the float32's exact value,
 cast to float32 (``(npy_float32)(0.9990000128746033)``, which the C compiler
 folds): the loop computes with the float32 value, at no cost per element.
 Constants whose shortest text is already exact (``0.5``) are left alone.
+
+The reproducer on plain PyTensor, which says when PyTensor has fixed it:
+``tests/test_upstream_c.py::test_c_writes_float32_constants_as_inexact_double_literals``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """XLA's memory analysis of a function compiled with ``lasagne_accum.mode("JAX")``.
 
-The function's jitted callable (:class:`~.linkers.DonatingCall`) is lowered
+The function's jitted callable (:class:`~.jax_linker.DonatingCall`) is lowered
 for abstract inputs (shapes and dtypes only: nothing is allocated or run)
 and compiled; ``compiled.memory_analysis()`` then says how many bytes its
 arguments, outputs, donated-and-reused outputs and temporaries take.

@@ -44,7 +44,10 @@ def build(base: Any = "CVM", device: Any = None, compile: bool | None = None) ->
     """
     from pytensor.compile.mode import Mode, get_mode
 
-    from . import linkers, supported
+    from . import supported
+    from .host_linker import host_linker
+    from .jax_linker import JAXLinker
+    from .pytorch_linker import PytorchLinker
 
     base_mode = get_mode(base)
     if not isinstance(base_mode, Mode):
@@ -63,7 +66,7 @@ def build(base: Any = "CVM", device: Any = None, compile: bool | None = None) ->
     if kind == "pytorch":
         from .values import torch_device
 
-        ours = base_mode.linker if isinstance(base_mode.linker, linkers.PytorchLinker) else None
+        ours = base_mode.linker if isinstance(base_mode.linker, PytorchLinker) else None
         if ours is not None:   # a mode of ours again: its device and compile setting
             device = ours.device if device is None else device
             compile = ours.compile if compile is None else compile
@@ -86,11 +89,11 @@ def build(base: Any = "CVM", device: Any = None, compile: bool | None = None) ->
     optimizer = optimizer.including(TAGS[kind])
     linker: Any
     if kind == "jax":
-        linker = linkers.JAXLinker()
+        linker = JAXLinker()
     elif kind == "pytorch":
-        linker = linkers.PytorchLinker(device=device, compile=compile)
+        linker = PytorchLinker(device=device, compile=compile)
     else:
-        linker = linkers.host_linker(base_mode.linker, kind)
+        linker = host_linker(base_mode.linker, kind)
     built = Mode(linker=linker, optimizer=optimizer)
     for stale in [k for k, (ref, _) in _cache.items() if ref() is None]:
         del _cache[stale]

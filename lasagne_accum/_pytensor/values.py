@@ -150,7 +150,7 @@ def refcounts(args: tuple, indices: Any) -> list[int]:
 
 
 class _Probe:
-    """Called like :class:`~lasagne_accum._pytensor.linkers.DonatingCall` (an object)."""
+    """Called like :class:`~lasagne_accum._pytensor.jax_linker.DonatingCall` (an object)."""
 
     def __call__(self, *args):
         return refcounts(args, (0,))[0]
