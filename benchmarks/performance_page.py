@@ -7,11 +7,14 @@ with the load average), dated, with the commit, the machine and the exact
 command that reproduces it. The runs are kept in
 ``docs/_static/performance.json`` so that one topic can be measured again
 without the others (``--only``); the page is rewritten from that file every
-time. Nothing on the page is typed by hand.
+time. Nothing on the page is typed by hand: the summary table that opens it is read back
+from the stored outputs (each topic's headline ratios and the target its script states),
+and its figures (``docs/_static/performance-*.png``, drawn with matplotlib when it is
+installed) are drawn from the same store.
 
     python benchmarks/performance_page.py                  # every topic (about an hour)
     python benchmarks/performance_page.py --only cold_start single_function
-    python benchmarks/performance_page.py --render         # rewrite the page from the file
+    python benchmarks/performance_page.py --render         # rewrite the page and figures
 """
 
 import argparse
@@ -168,8 +171,332 @@ def run(topic, python=sys.executable):
             "blas": scrub(blas_line(python)), "output": scrub(done.stdout.rstrip("\n"))}
 
 
+
+# --- The summary at the top of the page --------------------------------------------------
+# Each topic's headline ratios, read back from its stored output by the regular expressions
+# below (nothing typed by hand): a row says what we measure, against what, the ratio for
+# each configuration the script printed, and the target where the script states one.
+
+#: The figures drawn from the store (``figures``), in ``docs/_static``; the page names them.
+STATIC = os.path.join(ROOT, "docs", "_static")
+RATIO_FIGURE = "performance-ratios.png"
+SERVER_FIGURE = "performance-parameter-server.png"
+
+
+class Row:
+    """One row of the summary: `values` is ``[(label, number as printed)]``, `ratio` the
+    ratio's short name (the figure's labels), `target` the stated target or None."""
+
+    def __init__(self, measure, against, ratio, values, target=None, higher_is_better=False):
+        self.measure, self.against, self.ratio = measure, against, ratio
+        self.values, self.target, self.higher_is_better = values, target, higher_is_better
+
+    def target_value(self):
+        """The target's bound as a number (``"<= 1.05"`` -> 1.05), or None."""
+        found = re.fullmatch(r"<= ([\d.]+)", self.target or "")
+        return float(found.group(1)) if found else None
+
+
+def _stated(pattern, output):
+    """The first group of `pattern`'s first match in `output`, or None."""
+    found = re.search(pattern, output, re.M)
+    return found.group(1) if found else None
+
+
+def _one_target(targets):
+    """The target all of a row's configurations share (``"<= 1.0"``), or None."""
+    targets = set(targets)
+    return targets.pop() if len(targets) == 1 else None
+
+
+def _cold_start(out):
+    ratio = _stated(r"fastcompile / plain ([\d.]+)$", out)
+    return [Row("The demo's wall time on an empty compile cache, with ``tools/fastcompile.py``",
+                "the same without it", "fastcompile / plain", [("", ratio)] if ratio else [])]
+
+
+def _single_function(out):
+    # the default graph ("lazy"): its non-stepping call over the two-function accumulate step
+    values = re.findall(r"^(\w+)\s+[\d.]+\s+[\d.]+\s+lazy\s+[\d.]+\s+[\d.]+\s+([\d.]+) \[",
+                        out, re.M)
+    return [Row("A non-stepping call of the single-function form (``average=N``, its default "
+                "lazy step)", "the two-function form's accumulate step", "non-step / acc",
+                values, _stated(r"targets (<= [\d.]+)", out))]
+
+
+def _summary_lines(name, out):
+    """``[(target, configuration, value)]`` of the SUMMARY lines ``PASS|MISS  n <name>
+    <= t [configuration]: value``."""
+    return re.findall(r"^\s+(?:PASS|MISS)\s+\d+\s+" + re.escape(name) +
+                      r" (<= [\d.]+) \[([^\]]+)\]: ([\d.]+)$", out, re.M)
+
+
+def _inplace(out):
+    found = _summary_lines("accumulate / fwd-bwd", out)
+    return [Row("The accumulate step (the gradient added into its buffer in place)",
+                "a forward-backward call", "accumulate / fwd-bwd",
+                [(config, value) for _, config, value in found],
+                _one_target(t for t, _, _ in found))]
+
+
+def _noise(out):
+    found = _summary_lines("window with noise_scale / without", out)
+    return [Row("A window with ``noise_scale=True``", "the same window without",
+                "noise_scale / without", [(config, value) for _, config, value in found],
+                _one_target(t for t, _, _ in found))]
+
+
+def _batch_norm(out):
+    values = re.findall(r"^(\d+)\s+\d+\s+[\d.]+\s+[\d.]+\s+([\d.]+)$", out, re.M)
+    return [Row("A window with the exact large batch's statistics (``batch_norm=\"exact\"``)",
+                "ghost batches", "exact / ghost",
+                [(f"{n} layer{'s' * (n != '1')}", value) for n, value in values])]
+
+
+def _backends(out):
+    # no single ratio: a table of milliseconds per step and backend; the accumulate step in
+    # float32 against torch's backward-accumulate is the column that compares the backends
+    values = re.findall(r"^(\S+)\s+float32\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+"
+                        r"([\d.]+)\s+[\d.]+$", out, re.M)
+    return [Row("No single ratio: milliseconds per call of the forward-backward, accumulate "
+                "and apply steps on each backend and dtype; here the accumulate step, float32",
+                "torch's backward into ``.grad``", "accumulate / torch",
+                [(backend, value) for backend, value in values if backend != "torch"])]
+
+
+def _accumulation(out):
+    values = re.findall(r"^\s+(\d+)\s+[\d.]+ /\s+[\d.]+ \|.*\| ([\d.]+)$", out, re.M)
+    flat = re.search(r"varies by ([\d.]+%) \(claim: (<= [\d.]+%)\)", out)
+    return [Row("Peak memory of an effective batch of N x 64 by accumulation",
+                "the real batch of N x 64", "accumulation / batch, memory",
+                [(f"N={n}", value) for n, value in values],
+                f"flat over N, {flat.group(2)} (varies by {flat.group(1)})" if flat else None)]
+
+
+def _peers(out):
+    found = re.findall(r"^\s+(?:PASS|MISS)\s+\d+\s+ours / (.+?), (\d+) thread\(s\)\s+"
+                       r"(<= [\d.]+): ([\d.]+)$", out, re.M)
+    names = {"torch": "PyTorch (a hand-written loop)", "optax": "optax ``MultiSteps``"}
+    rows = []
+    for peer in dict.fromkeys(peer for peer, _, _, _ in found):
+        mine = [(threads, t, v) for p, threads, t, v in found if p == peer]
+        rows.append(Row("A window (N accumulate steps and one Adam step), ours in the default "
+                        "modes", names.get(peer, peer), f"ours / {peer}",
+                        [(f"{n} thread{'s' * (n != '1')}", v) for n, _, v in mine],
+                        _one_target(t for _, t, _ in mine)))
+    return rows
+
+
+def server_trainers(out):
+    """The two numbers of trainers of the side-by-side table (``[1, 2]``), or None."""
+    found = re.search(r"^\| model \| system \| (\d+) process(?:es)? \| (\d+) processes \|",
+                      out, re.M)
+    return [int(n) for n in found.groups()] if found else None
+
+
+def server_table(out):
+    """The side-by-side table of ``benchmarks/distributed.py``: ``[(model, system, samples/s
+    at 1 process, at 2, vs torch at 2 or "")]`` as printed."""
+    return re.findall(r"^\| ([^|]+?) \| ([^|]+?) \| (\d+) \| (\d+) \| [\d.]+x \| "
+                      r"(?:([\d.]+)x)? *\| [\d.]+ \|$", out, re.M)
+
+
+def _distributed(out):
+    table, trainers = server_table(out), server_trainers(out)
+    most = trainers[-1] if trainers else "N"
+    rows = []
+    for mode in ("sync", "async"):
+        ours = f"ours, Dask {mode}"
+        # each of our rows is followed by the torch system it is compared with
+        peers = {table[i + 1][1] for i, r in enumerate(table[:-1]) if r[1] == ours}
+        rows.append(Row(f"Samples per second of training with {most} trainers, {mode} "
+                        "(higher is faster)",
+                        ", ".join(sorted(peers)) or "torch.distributed",
+                        f"ours {mode} / torch, samples/s",
+                        [(model, vs) for model, system, _, _, vs in table
+                         if system == ours and vs], higher_is_better=True))
+    return rows
+
+
+def _gpu(out):
+    batch = _stated(r"^effective batch (\d+)", out)
+    where = (" (on the CPU: no GPU measured yet)" if re.search(r"^no GPU here", out, re.M)
+             else "")
+    found = re.findall(r"^(\w+): (.*)$", out, re.M)
+    pairs = {}
+    for model, rest in found:
+        for ours, peer, value in re.findall(r"(\S+) / (\S+): time ([\d.]+)x", rest):
+            pairs.setdefault((ours, peer), []).append((model, value))
+    names = {"la-jax": "ours through JAX", "la-torch": "ours through PyTorch",
+             "optax": "optax ``MultiSteps``", "torch-loop": "a PyTorch loop"}
+    return [Row(f"Time per window at an effective batch of {batch}, "
+                f"{names.get(ours, ours)}{where}", names.get(peer, peer),
+                f"{ours} / {peer}, time", values)
+            for (ours, peer), values in pairs.items()]
+
+
+def _unsummarised(out):
+    return [Row("Nothing read from this topic's output (a format the summary does not know)",
+                "see the section", "", [])]
+
+
+#: topic -> its rows of the summary, from its stored output
+SUMMARY = {"cold_start": _cold_start, "single_function": _single_function, "inplace": _inplace,
+           "noise": _noise, "batch_norm": _batch_norm, "backends": _backends,
+           "accumulation": _accumulation, "peers": _peers, "distributed": _distributed,
+           "gpu": _gpu}
+
+
+def records(store, topic):
+    """``[(key, record)]``: `topic`'s runs in the store, this release's first (``inplace``,
+    then ``inplace:3.3``)."""
+    return [(key, store[key]) for key in sorted(store)
+            if key == topic or key.startswith(topic + ":")]
+
+
+def summary(store):
+    """``[(topic, key, Row)]``: every stored run's rows of the summary, in the page's order."""
+    rows = []
+    for topic in TOPICS:
+        for key, record in records(store, topic):
+            output = scrub(record["output"])
+            rows += [(topic, key, row) for row in
+                     SUMMARY.get(topic, _unsummarised)(output) or _unsummarised(output)]
+    return rows
+
+
+def ratio_cell(row):
+    """The ratio column: each configuration's value as printed (``"CVM 1.181; NUMBA 1.168"``)."""
+    if not row.values:
+        return "not found in the stored output: see the section"
+    return "; ".join(f"{label} {value}".strip() for label, value in row.values)
+
+
+def summary_lines(store):
+    """The summary table (a list-table) and the figures' directives, as lines of the page."""
+    rows = summary(store)
+    if not rows:
+        return []
+    lines = ["Each row is read from a topic's stored output below (its link leads there): "
+             "a ratio is ours over the reference, measured side by side in one run, lower is "
+             "cheaper unless the row says otherwise; the target is the one the benchmark "
+             "script states, if any.", "",
+             ".. list-table::", "   :header-rows: 1", "   :widths: 16 30 18 26 10", ""]
+    for cells in [("Topic", "What we measure", "Against", "Ratio", "Target")] + [
+            (f"`{TOPICS[topic][0]}`_" + (f" (PyTensor {key.split(':', 1)[1]})"
+                                         if ":" in key else ""),
+             row.measure, row.against, ratio_cell(row),
+             (row.target or "none stated").replace("<=", "≤"))
+            for topic, key, row in rows]:
+        lines += [f"   * - {cells[0]}"] + [f"     - {cell}" for cell in cells[1:]]
+    lines += [""]
+    if any(row.values and not row.higher_is_better for _, _, row in rows):
+        lines += [f".. figure:: _static/{RATIO_FIGURE}",
+                  "   :alt: Each ratio of the table against its target", "",
+                  "   Each ratio of the table where lower is cheaper, one bar per configuration "
+                  "(log scale); a black mark is the stated target, a bar in red is above it.",
+                  ""]
+    server = scrub(store.get("distributed", {}).get("output", ""))
+    if server_table(server) and server_trainers(server):
+        lines += [f".. figure:: _static/{SERVER_FIGURE}",
+                  "   :alt: The parameter server's samples per second against torch.distributed",
+                  "", "   The parameter server's samples per second of training against "
+                  "torch.distributed's, by number of trainers, for each model of "
+                  "`The parameter server`_.", ""]
+    return lines
+
+
+def figures(store, directory=STATIC):
+    """Draw the summary's figures from the store into `directory` (matplotlib, Agg); the
+    paths written. Needs matplotlib (the ``examples`` extra); the page's text does not."""
+    # (label, ratio, target, the summary row's index, the ratio as printed)
+    bars = [(f"{row.ratio}, {label}".rstrip(", ") + (f" (PyTensor {key.split(':', 1)[1]})"
+                                                     if ":" in key else ""),
+             float(value), row.target_value(), n, value)
+            for n, (topic, key, row) in enumerate(summary(store)) if not row.higher_is_better
+            for label, value in row.values]
+    server = scrub(store.get("distributed", {}).get("output", ""))
+    table, trainers = server_table(server), server_trainers(server)
+    if not bars and not (table and trainers):
+        return []
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    if bars:
+        from matplotlib.patches import Patch
+        from matplotlib.ticker import FixedLocator, NullLocator
+
+        fig, ax = plt.subplots(figsize=(9, 0.26 * len(bars) + 1.6))
+        y = list(range(len(bars)))[::-1]
+        colours = {"above": "#c0392b", "within": "#2e8b57", "none": "#b0b0b0"}
+        kind = ["none" if t is None else "above" if v > t else "within"
+                for _, v, t, _, _ in bars]
+        ax.barh(y, [v for _, v, _, _, _ in bars], color=[colours[k] for k in kind], height=0.7)
+        for yi, (_, v, t, _, text) in zip(y, bars):
+            ax.text(max(v, t or 0) * 1.025, yi, text, va="center", fontsize=7)
+            if t is not None:
+                ax.plot([t, t], [yi - 0.42, yi + 0.42], color="black", lw=1.5)
+        # a faint line between the summary's rows
+        for yi, (_, _, _, n, _), (_, _, _, m, _) in zip(y, bars, bars[1:]):
+            if n != m:
+                ax.axhline(yi - 0.5, color="#dddddd", lw=0.6)
+        ax.axvline(1.0, color="#555555", lw=0.8, ls=":")
+        ax.set_xscale("log")
+        low = min(v for _, v, _, _, _ in bars)
+        high = max(max(v, t or 0) for _, v, t, _, _ in bars)
+        ticks = [t for t in (0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20)
+                 if low / 1.5 <= t <= high * 1.5]
+        ax.xaxis.set_major_locator(FixedLocator(ticks))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xticklabels([f"{t:g}" for t in ticks])
+        ax.set_xlim(low / 1.15, high * 1.3)
+        ax.set_yticks(y)
+        ax.set_yticklabels([label for label, *_ in bars], fontsize=7)
+        ax.set_ylim(-0.7, len(bars) - 0.3)
+        ax.set_xlabel("ours / reference (log scale; lower is cheaper; dotted: parity)")
+        ax.set_title("The summary's ratios and their targets", fontsize=10)
+        ax.legend([Patch(color=colours[k]) for k in ("within", "above", "none")],
+                  ["within the stated target (black mark)", "above it", "no target stated"],
+                  loc="lower right", fontsize=7)
+        fig.tight_layout()
+        written.append(_save(fig, os.path.join(directory, RATIO_FIGURE)))
+        plt.close(fig)
+    if table and trainers:
+        models = list(dict.fromkeys(model for model, *_ in table))
+        fig, axes = plt.subplots(1, len(models), figsize=(3.2 * len(models), 3.4), squeeze=False)
+        styles = {}
+        for ax, model in zip(axes[0], models):
+            for _, system, one, two, _ in (r for r in table if r[0] == model):
+                ours = system.startswith("ours")
+                style = styles.setdefault(system, dict(
+                    color=f"C{len(styles) // 2}", ls="-" if ours else "--",
+                    marker="o" if ours else "s"))
+                ax.plot(trainers, [int(one), int(two)], label=system, **style)
+            ax.set_title(model, fontsize=10)
+            ax.set_xticks(trainers)
+            ax.set_xlabel("trainers")
+            ax.set_ylim(bottom=0)
+        axes[0][0].set_ylabel("samples per second")
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8,
+                   frameon=False)
+        fig.tight_layout(rect=(0, 0.08, 1, 1))
+        written.append(_save(fig, os.path.join(directory, SERVER_FIGURE)))
+        plt.close(fig)
+    return written
+
+
+def _save(fig, path):
+    # no matplotlib version in the file: the same store draws the same bytes
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    return path
+
+
 def render(store):
-    lines = ["Performance", "===========", "",
+    """Write the page from `store` (its text only: ``figures`` draws the images)."""
+    lines = ["Performance", "===========", ""] + summary_lines(store) + [
              "Every table on this page is a benchmark script's own output, kept as it "
              "printed, with the date, the commit and the machine it ran on and the command "
              "that reproduces it (``python benchmarks/performance_page.py`` rewrote this page "
@@ -178,12 +505,11 @@ def render(store):
              "compare the ratios, not the absolute times.", ""]
     for topic, (title, what, _) in TOPICS.items():
         lines += [title, "-" * len(title), "", what, ""]
-        records = [(key, store[key]) for key in sorted(store)
-                   if key == topic or key.startswith(topic + ":")]
-        if not records:
+        runs = records(store, topic)
+        if not runs:
             lines += ["Not measured yet.", ""]
             continue
-        for key, record in records:
+        for key, record in runs:
             commit = record["commit"] + (" with local changes" if record.get("dirty") else "")
             release = (f" with PyTensor {key.split(':', 1)[1]}" if ":" in key else "")
             lines += [f"Measured on {record['date']} at commit ``{commit}`` on "
@@ -200,11 +526,26 @@ def render(store):
     return PAGE
 
 
+def publish(store):
+    """Write the page and draw its figures from `store`."""
+    print(f"wrote {render(store)}")
+    try:
+        drawn = figures(store)
+    except ImportError:
+        print("matplotlib is not installed (the examples extra): the figures in "
+              "docs/_static were not redrawn", file=sys.stderr)
+        return
+    for path in drawn:
+        print(f"wrote {os.path.relpath(path, ROOT)}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", nargs="+", choices=list(TOPICS), default=None,
                    help="measure these topics again, keep the others")
-    p.add_argument("--render", action="store_true", help="only rewrite the page")
+    p.add_argument("--render", action="store_true",
+                   help="only rewrite the page and its figures from the stored runs "
+                        "(measures nothing)")
     p.add_argument("--python", default=sys.executable,
                    help="the interpreter that runs the benchmarks (another one, with another "
                         "PyTensor release, adds that release's tables beside this one's)")
@@ -225,13 +566,13 @@ def main(argv=None):
             store[store_key(topic, args.python)] = record
             with open(STORE, "w") as f:
                 json.dump(store, f, indent=1, sort_keys=True)
-        print(f"wrote {render(store)}")
+        publish(store)
         if failed:
             raise SystemExit(f"not measured: {', '.join(failed)}")
         return
     with open(STORE, "w") as f:
         json.dump(store, f, indent=1, sort_keys=True)
-    print(f"wrote {render(store)}")
+    publish(store)
 
 
 if __name__ == "__main__":
