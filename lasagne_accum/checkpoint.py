@@ -17,9 +17,12 @@ data, so a file that does not fit the model costs no memory.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import json
 import os
 import re
+import socket
 import tempfile
 import warnings
 import zipfile
@@ -43,7 +46,10 @@ FORMAT_VERSION = 2
 # The format marker. Format 1: a scalar array holding 1 (members ``name.npy``).
 # Format 2: a uint8 array of UTF-8 JSON ``{"format": 2, "names": [[name, member], ...]}``.
 _MARKER = "__lasagne_accum_state__.npy"
-_TMP_PATTERN = ".tmp-{base}-{pid}-"          # + mkstemp's random letters + ".npz"
+# np.savez's own parameters, which cannot be the keys of its members
+_SAVEZ_NAMES = ("file.npy", "allow_pickle.npy")
+_NO_PICKLE = ({"allow_pickle": False}
+              if "allow_pickle" in inspect.signature(np.savez).parameters else {})
 
 
 def _walk(obj, out, seen):
@@ -127,52 +133,15 @@ def collect_state(*objects: Any) -> OrderedDict[str, SharedVariable]:
 
 
 def _tmp_prefix(path):
-    return _TMP_PATTERN.format(base=os.path.basename(path), pid=os.getpid())
-
-
-def _pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True            # it exists (owned by someone else) or we cannot tell
-    return True
-
-
-def _clean_stale_temps(path):
-    """Remove temporary files of `path` left by saving processes that no longer run.
-
-    Only names of this module's pattern (``.tmp-<target>-<pid>-<random>.npz``)
-    whose process id is not alive are removed: another process saving the
-    same target right now keeps its file. Returns the names removed.
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    pattern = re.compile(re.escape(".tmp-" + os.path.basename(path) + "-") +
-                         r"(\d+)-[A-Za-z0-9_]+\.npz\Z")
-    removed = []
-    try:
-        entries = os.listdir(directory)
-    except OSError:
-        return removed
-    for entry in entries:
-        match = pattern.match(entry)
-        if match is None:
-            continue
-        pid = int(match.group(1))
-        if pid == os.getpid() or _pid_alive(pid):
-            continue
-        try:
-            os.unlink(os.path.join(directory, entry))
-            removed.append(entry)
-        except OSError:
-            pass
-    return removed
+    """``.tmp-<target>-<host>-<pid>-``: a human can tell whose temporary file it is."""
+    host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())[:64]
+    return f".tmp-{os.path.basename(path)[:100]}-{host}-{os.getpid()}-"
 
 
 def _members(names):
-    """``{name: zip member}``: ``name.npy`` where the zip format keeps it, else ``__escaped{i}.npy``."""
-    out, used = OrderedDict(), {_MARKER}
+    """``{name: zip member}``: ``name.npy`` where the zip format and np.savez keep it,
+    else ``__escaped{i}.npy``."""
+    out, used = OrderedDict(), {_MARKER, *_SAVEZ_NAMES}
     for i, name in enumerate(names):
         member = f"{name}.npy"
         if zipfile.ZipInfo(member).filename != member or member in used:
@@ -268,24 +237,20 @@ def save_arrays(path: PathLike, arrays: Mapping[str, np.ndarray], *,
         if given is not None:
             manifest[key] = _json_or_raise(given, what)
     text = np.frombuffer(json.dumps(manifest).encode("utf-8"), np.uint8)
+    entries: dict[str, Any] = {_MARKER[:-4]: text}    # np.savez's keys: the members less .npy
+    entries.update((members[n][:-4], value) for n, value in arrays.items())
     path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    _clean_stale_temps(path)
-    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=".npz", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=".npz",
+                               dir=os.path.dirname(os.path.abspath(path)))
     try:
         with os.fdopen(fd, "wb") as fh:
-            with zipfile.ZipFile(fh, "w", compression=zipfile.ZIP_STORED,
-                                 allowZip64=True) as zf:
-                for member, value in [(_MARKER, text),
-                                      *((members[n], v) for n, v in arrays.items())]:
-                    with zf.open(member, "w", force_zip64=True) as out:
-                        npy_format.write_array(out, np.asanyarray(value), allow_pickle=False)
+            np.savez(fh, **_NO_PICKLE, **entries)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)        # this save's own temporary file; never another writer's
         raise
     return list(arrays)
 
@@ -329,11 +294,14 @@ def save_state(path: PathLike, *objects: Any, metadata: Mapping[str, Any] | None
 
     Notes
     -----
-    The data go to a temporary file ``.tmp-<name>-<pid>-<random>.npz`` in the
-    same directory, which is flushed to disk and then renamed over `path`:
-    readers see the old checkpoint or the new one, never a partial file. A
-    process killed mid-save leaves its temporary file behind; the next save
-    to the same `path` removes those whose process is gone.
+    The data go to a temporary file ``.tmp-<name>-<host>-<pid>-<random>.npz``
+    of this save's own in the same directory, which is flushed to disk and
+    then renamed over `path`: readers see the old checkpoint or the new one,
+    never a partial file, and writers on several machines can share the
+    directory. A save that fails removes its temporary file; a process killed
+    mid-save leaves it behind, and no save removes another's (on a shared
+    disk a live writer elsewhere cannot be told from a dead one): delete such
+    files when no save is running.
 
     Examples
     --------
@@ -412,92 +380,27 @@ def _not_readable(path, why):
     return ValueError(f"{path} is not a readable checkpoint (truncated or corrupt?): {why}")
 
 
-def _index(zf, path):
-    """``({name: member}, extras)`` of an open checkpoint; refuses foreign files and unknown versions.
-
-    `extras`: the manifest's ``metadata`` and ``lasagne_accum`` entries (None
-    where absent).
-    """
-    files = zf.namelist()
-    if _MARKER not in files:
-        raise ValueError(f"{path} is not a lasagne_accum checkpoint (no format marker)")
-    try:
-        marker = _read_member(zf, _MARKER, path, 1 << 24)
-    except ValueError as exc:
-        raise _not_readable(path, f"bad format marker ({exc})") from None
-    if marker.shape == () and marker.dtype.kind in "iu":
-        if int(marker) != 1:
-            raise ValueError(f"{path} is a lasagne_accum checkpoint of format version "
-                             f"{int(marker)}; this version reads formats 1 and "
-                             f"{FORMAT_VERSION}: upgrade lasagne_accum to read it")
-        return (OrderedDict((f[:-4], f) for f in files if f.endswith(".npy") and f != _MARKER),
-                {"metadata": None, "lasagne_accum": None})
-    if marker.dtype != np.uint8 or marker.ndim != 1:
-        raise _not_readable(path, "bad format marker")
-    try:
-        manifest = json.loads(marker.tobytes().decode("utf-8"))
-        version = manifest["format"]
-        pairs = manifest.get("names")
-        extras = {key: manifest.get(key) for key in ("metadata", "lasagne_accum")}
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
-        raise _not_readable(path, f"bad manifest ({exc})") from None
-    if not all(v is None or isinstance(v, dict) for v in extras.values()):
-        raise _not_readable(path, "bad manifest (metadata)")
-    if version != FORMAT_VERSION:
-        raise ValueError(f"{path} is a lasagne_accum checkpoint of format version "
-                         f"{version!r}; this version reads formats 1 and {FORMAT_VERSION}: "
-                         "upgrade lasagne_accum to read it")
-    if not isinstance(pairs, list) or not all(
-            isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
-            for p in pairs):
-        raise _not_readable(path, "bad manifest (names)")
-    index = OrderedDict()
-    for name, member in pairs:
-        if name in index:
-            raise ValueError(f"{path}: the name {name!r} appears twice in the checkpoint; "
-                             "refusing to guess which one to load")
-        if member not in files or member == _MARKER:
-            raise _not_readable(path, f"member {member!r} of {name!r} is missing")
-        index[name] = member
-    return index, extras
-
-
-def _header(fh, member, path):
-    """``(shape, fortran, dtype, data offset)`` of an ``.npy`` member, reading only its header."""
-    try:
-        major, minor = npy_format.read_magic(fh)
-        if (major, minor) == (1, 0):
-            shape, fortran, dtype = npy_format.read_array_header_1_0(fh)
-        elif major in (2, 3) and minor == 0:
-            shape, fortran, dtype = npy_format.read_array_header_2_0(fh)
-        else:
-            raise ValueError(f"unsupported .npy version {major}.{minor}")
-    except (ValueError, EOFError, OSError, zipfile.BadZipFile, SyntaxError) as exc:
-        raise _not_readable(path, f"{member}: {exc}") from None
-    return tuple(shape), fortran, dtype
-
-
-def _read_member(zf, member, path, max_bytes=None):
-    """One ``.npy`` member, read by numpy without pickle once its header allows it.
-
-    ValueError before any data is read for a header that holds Python
-    objects or more than `max_bytes` bytes; for a member that ends early.
-    """
+def _header(zf, member, path):
+    """``(shape, dtype, data bytes)`` of an ``.npy`` member, from its header alone."""
     try:
         with zf.open(member) as fh:
-            shape, _, dtype = _header(fh, member, path)
-            if dtype.hasobject:
-                raise ValueError(f"{path}: {member} holds Python objects (pickle); refused")
-            nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
-            if max_bytes is not None and nbytes > max_bytes:
-                raise ValueError(f"{nbytes} bytes in the checkpoint, more than the "
-                                 f"{max_bytes} allowed")
-            fh.seek(0)
-            try:
-                return npy_format.read_array(fh, allow_pickle=False)
-            except ValueError as exc:
-                raise _not_readable(path, f"{member}: {exc}") from None
-    except (EOFError, OSError, zipfile.BadZipFile) as exc:
+            version = npy_format.read_magic(fh)
+            if version not in ((1, 0), (2, 0), (3, 0)):
+                raise ValueError(f"unsupported .npy version {version[0]}.{version[1]}")
+            read = (npy_format.read_array_header_1_0 if version == (1, 0)
+                    else npy_format.read_array_header_2_0)
+            shape, _, dtype = read(fh)
+    except (ValueError, EOFError, OSError, zipfile.BadZipFile, SyntaxError) as exc:
+        raise _not_readable(path, f"{member}: {exc}") from None
+    return tuple(shape), dtype, int(np.prod(shape, dtype=object)) * dtype.itemsize
+
+
+def _data(zf, member, path):
+    """An ``.npy`` member's array, read by numpy without pickle, once its header passed."""
+    try:
+        with zf.open(member) as fh:
+            return npy_format.read_array(fh, allow_pickle=False)
+    except (ValueError, EOFError, OSError, zipfile.BadZipFile) as exc:
         raise _not_readable(path, f"{member}: {exc}") from None
 
 
@@ -542,7 +445,8 @@ def read_arrays(
 
 
 def _read(path, expected, *, strict=True, optional=(), max_bytes=1 << 26):
-    """:func:`read_arrays`' arrays, and the manifest's extras (see :func:`_index`)."""
+    """:func:`read_arrays`' arrays, and the manifest's ``metadata`` and ``lasagne_accum``
+    entries (None where absent). Refuses foreign files and unknown versions."""
     path = os.fspath(path)
     try:
         zf = zipfile.ZipFile(path)
@@ -551,7 +455,44 @@ def _read(path, expected, *, strict=True, optional=(), max_bytes=1 << 26):
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
         raise _not_readable(path, exc) from None
     with zf:
-        index, extras = _index(zf, path)
+        files = zf.namelist()
+        if _MARKER not in files:
+            raise ValueError(f"{path} is not a lasagne_accum checkpoint (no format marker)")
+        # the marker: format 1's integer scalar 1, or format 2's manifest as UTF-8 JSON
+        shape, dtype, nbytes = _header(zf, _MARKER, path)
+        if not ((shape == () and dtype.kind in "iu") or
+                (dtype == np.uint8 and len(shape) == 1 and nbytes <= 1 << 24)):
+            raise _not_readable(path, f"bad format marker ({dtype}, shape {shape})")
+        marker = _data(zf, _MARKER, path)
+        extras = {"metadata": None, "lasagne_accum": None}
+        if marker.ndim == 0:                  # format 1: every other member is "<name>.npy"
+            version = int(marker)
+            pairs = [[f[:-4], f] for f in files if f.endswith(".npy") and f != _MARKER]
+        else:
+            try:
+                manifest = json.loads(marker.tobytes().decode("utf-8"))
+                version, pairs = manifest["format"], manifest.get("names")
+                extras = {key: manifest.get(key) for key in extras}
+            except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+                raise _not_readable(path, f"bad manifest ({exc})") from None
+            if not all(v is None or isinstance(v, dict) for v in extras.values()):
+                raise _not_readable(path, "bad manifest (metadata)")
+        if version != (1 if marker.ndim == 0 else FORMAT_VERSION):
+            raise ValueError(f"{path} is a lasagne_accum checkpoint of format version "
+                             f"{version!r}; this version reads formats 1 and {FORMAT_VERSION}: "
+                             "upgrade lasagne_accum to read it")
+        if not isinstance(pairs, list) or not all(
+                isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
+                for p in pairs):
+            raise _not_readable(path, "bad manifest (names)")
+        index = OrderedDict()
+        for name, member in pairs:
+            if name in index:
+                raise ValueError(f"{path}: the name {name!r} appears twice in the checkpoint; "
+                                 "refusing to guess which one to load")
+            if member not in files or member == _MARKER:
+                raise _not_readable(path, f"member {member!r} of {name!r} is missing")
+            index[name] = member
         problems = []
         if strict:
             missing = [n for n in expected if n not in index and n not in optional]
@@ -563,9 +504,8 @@ def _read(path, expected, *, strict=True, optional=(), max_bytes=1 << 26):
         todo = [n for n in expected if n in index]
         for name in todo:        # headers only: no data is read until all of them fit
             shape, dtype = expected[name]
-            with zf.open(index[name]) as fh:
-                got_shape, _, got_dtype = _header(fh, index[name], path)
-            info = zf.getinfo(index[name])
+            got_shape, got_dtype, nbytes = _header(zf, index[name], path)
+            stored = zf.getinfo(index[name]).file_size
             if got_dtype.hasobject:
                 problems.append(f"{name}: holds Python objects (pickle), refused")
             elif dtype is not None and got_dtype != np.dtype(dtype):
@@ -574,19 +514,16 @@ def _read(path, expected, *, strict=True, optional=(), max_bytes=1 << 26):
             elif shape is not None and got_shape != tuple(shape):
                 problems.append(f"{name}: shape {got_shape} in the checkpoint, "
                                 f"{tuple(shape)} in the model")
-            else:
-                nbytes = int(np.prod(got_shape, dtype=object)) * got_dtype.itemsize
-                if shape is None and nbytes > max_bytes:
-                    problems.append(f"{name}: {nbytes} bytes in the checkpoint, more than "
-                                    f"the {max_bytes} allowed")
-                elif nbytes > info.file_size:
-                    problems.append(f"{name}: the header claims {nbytes} bytes but the "
-                                    f"member holds {info.file_size} (truncated or corrupt)")
+            elif shape is None and nbytes > max_bytes:
+                problems.append(f"{name}: {nbytes} bytes in the checkpoint, more than "
+                                f"the {max_bytes} allowed")
+            elif nbytes > stored:
+                problems.append(f"{name}: the header claims {nbytes} bytes but the "
+                                f"member holds {stored} (truncated or corrupt)")
         if problems:
             raise ValueError(f"cannot load {path}; nothing was loaded:\n  " +
                              "\n  ".join(problems))
-        out = OrderedDict((name, _read_member(zf, index[name], path)) for name in todo)
-        return out, extras
+        return OrderedDict((n, _data(zf, index[n], path)) for n in todo), extras
 
 
 def load_state(path: PathLike, *objects: Any, strict: bool = True) -> dict[str, Any]:
@@ -639,7 +576,7 @@ def read_state(path: PathLike, objects: Any, strict: bool = True
             f"cannot load {path}: variable(s) {', '.join(made_up)} have no unique name, so "
             "which saved array belongs to which is a guess; give every shared variable a "
             "unique name (pytensor.shared(value, name=...)) and save again")
-    expected = OrderedDict()
+    expected: dict[str, tuple[Any, np.dtype]] = OrderedDict()
     generators = set()
     for name, var in named.items():
         value = var.get_value(borrow=True)

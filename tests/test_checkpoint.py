@@ -402,19 +402,275 @@ def _dead_pid():
     return int(out.stdout)
 
 
-def test_stale_temp_files_of_the_target_are_cleaned(tmp_path):
-    """A process killed mid-save leaves .tmp-*; the next save of the same target removes it."""
+def test_a_save_never_removes_another_writers_temporary_file(tmp_path):
+    """On a shared disk a live writer on another machine looks dead from here: a save
+    leaves every temporary file but its own alone, whatever process id it names."""
+    import socket
+
     a = pytensor.shared(np.arange(2.0), name="a")
     dead = _dead_pid()
-    stale = tmp_path / f".tmp-c.npz-{dead}-abc123_x.npz"
-    other_target = tmp_path / f".tmp-d.npz-{dead}-abc123_x.npz"
-    live = tmp_path / f".tmp-c.npz-{os.getppid()}-zz9.npz"    # a running process's save
-    foreign = tmp_path / ".tmp-c.npz-notours"
-    for f in (stale, other_target, live, foreign):
-        f.write_bytes(b"PK partial")
+    others = [f".tmp-c.npz-{dead}-abc123_x.npz",                  # an earlier version's name
+              f".tmp-c.npz-otherhost-{dead}-abc123_x.npz",        # a writer elsewhere
+              f".tmp-c.npz-{socket.gethostname()}-{dead}-zz9.npz",  # killed on this host
+              f".tmp-d.npz-otherhost-{os.getpid()}-q.npz", ".tmp-c.npz-notours"]
+    for name in others:
+        (tmp_path / name).write_bytes(b"PK partial")
     save_state(tmp_path / "c.npz", [a])
-    assert sorted(os.listdir(tmp_path)) == sorted(
-        ["c.npz", other_target.name, live.name, foreign.name])
+    assert sorted(os.listdir(tmp_path)) == sorted(["c.npz", *others])
+    a.set_value(np.zeros(2))
+    load_state(tmp_path / "c.npz", [a])
+    assert a.get_value().tolist() == [0.0, 1.0]
+
+
+def test_two_writers_on_two_hosts_write_one_directory_at_once(tmp_path, monkeypatch):
+    """Two writers named as two machines (the host name is the thread's name) save to
+    one directory at once, to a shared target and their own, many times, some saves
+    failing mid-write: every checkpoint loads, and each writer removes only its own
+    temporary file. One writer is held mid-write while the other saves: its
+    temporary file (named with its host and process id, which is not running here,
+    as another machine's would not be) survives and completes."""
+    import socket
+    import threading
+
+    pids = {"host-a": _dead_pid(), "host-b": os.getpid()}
+    real_pid = os.getpid
+    monkeypatch.setattr(socket, "gethostname", lambda: threading.current_thread().name)
+    monkeypatch.setattr(os, "getpid", lambda: pids.get(threading.current_thread().name,
+                                                       real_pid()))
+    real_write, real_unlink = np.lib.format.write_array, os.unlink
+    held, resume, removed = threading.Event(), threading.Event(), []
+
+    def write_array(fh, array, **kwargs):
+        real_write(fh, array, **kwargs)
+        me = threading.current_thread()
+        if me.name == "host-a" and array.size > 1000 and not held.is_set():
+            held.set()                        # host-a's temporary file is half written
+            assert resume.wait(120)
+        if getattr(me, "fail", 0) and array.size == 3:
+            me.fail -= 1
+            raise OSError(f"{me.name}: disk full")
+
+    def unlink(path, *args, **kwargs):
+        removed.append((threading.current_thread().name, os.path.basename(path)))
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(np.lib.format, "write_array", write_array)
+    monkeypatch.setattr(os, "unlink", unlink)
+
+    def writer(host, n, big=None):
+        for i in range(n):
+            for target in ("shared.npz", f"{host}.npz"):
+                try:
+                    save_state(tmp_path / target, [pytensor.shared(np.full(3, float(i)), name="w")],
+                               metadata={"i": i, "host": host})
+                except OSError as exc:
+                    assert "disk full" in str(exc)
+        if big is not None:
+            save_state(tmp_path / "shared.npz", [big], metadata={"host": host})
+
+    failures = []
+
+    def run(host, *args):
+        try:
+            writer(host, *args)
+        except BaseException as exc:          # noqa: BLE001 - reported below
+            failures.append(exc)
+
+    big = pytensor.shared(np.arange(5000.0), name="big")
+    a = threading.Thread(target=run, args=("host-a", 0, big), name="host-a")
+    a.start()
+    try:
+        while not held.wait(0.1):
+            assert a.is_alive(), failures
+        temps = [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]
+        assert len(temps) == 1
+        assert temps[0].startswith(f".tmp-shared.npz-host-a-{pids['host-a']}-")
+        b = threading.Thread(target=run, args=("host-b", 10), name="host-b")
+        b.fail = 3
+        b.start()
+        b.join(120)
+        assert temps[0] in os.listdir(tmp_path)   # host-b's saves left it alone
+    finally:
+        resume.set()
+        a.join(120)
+    threads = [threading.Thread(target=run, args=(h, 25), name=h) for h in ("host-a", "host-b")]
+    for t in threads:
+        t.fail = 4
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not failures, failures
+    assert sorted(os.listdir(tmp_path)) == ["host-a.npz", "host-b.npz", "shared.npz"]
+    assert len(removed) == 3 + 4 + 4          # each failed save removed its own file only
+    assert all(name.startswith(".tmp-") and f"-{host}-{pids[host]}-" in name
+               for host, name in removed)
+    monkeypatch.undo()
+    w = pytensor.shared(np.zeros(3), name="w")
+    for target in ("host-a", "host-b", "shared"):
+        metadata = load_state(tmp_path / f"{target}.npz", [w])
+        assert w.get_value().tolist() == [float(metadata["i"])] * 3
+        assert metadata["host"] == target or target == "shared"
+
+
+_KILLED_MID_WRITE = """
+import socket, sys, time
+import numpy as np, pytensor
+import lasagne_accum as la
+
+socket.gethostname = lambda: "node-7"
+
+def half_then_hang(fh, array, **kwargs):
+    np.lib.format.write_array_header_1_0(
+        fh, np.lib.format.header_data_from_array_1_0(array))
+    fh.write(array.tobytes()[: array.nbytes // 2])
+    print("mid-write", flush=True)
+    time.sleep(600)
+
+np.lib.format.write_array = half_then_hang
+w = pytensor.shared(np.ones(1 << 20), name="w")
+la.save_state(sys.argv[1], [w])
+"""
+
+
+def test_a_writer_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
+    """SIGKILL mid-save: the previous checkpoint loads as it was saved; the killed
+    writer's temporary file stays (named with host and pid) and later saves leave it."""
+    import signal
+    import subprocess
+    import sys
+
+    w = pytensor.shared(np.arange(1 << 20, dtype="float64"), name="w")
+    path = tmp_path / "c.npz"
+    save_state(path, [w], metadata={"epoch": 1})
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_MID_WRITE, str(path)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=dict(os.environ, PYTHONPATH=root))
+    try:
+        line = child.stdout.readline()
+        assert line.strip() == "mid-write", child.stderr.read()[-2000:]
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.communicate(timeout=60)
+    assert child.returncode == -signal.SIGKILL
+    left = [f for f in os.listdir(tmp_path) if f != "c.npz"]
+    assert len(left) == 1 and left[0].startswith(f".tmp-c.npz-node-7-{child.pid}-")
+    w.set_value(np.zeros(1 << 20))
+    assert load_state(path, [w]) == {"epoch": 1}
+    np.testing.assert_array_equal(w.get_value(), np.arange(1 << 20, dtype="float64"))
+    w.set_value(np.full(1 << 20, 2.0))
+    save_state(path, [w])                     # a later save works and leaves the leftover
+    assert sorted(os.listdir(tmp_path)) == sorted(["c.npz", *left])
+    w.set_value(np.zeros(1 << 20))
+    load_state(path, [w])
+    assert (w.get_value() == 2.0).all()
+
+
+# A checkpoint written by the previous writer (0.2.0's successor, before np.savez wrote
+# the archive), zlib-compressed and base64-encoded: W (float32, 2x3), adam.t (int64
+# scalar), "file" (a member np.savez cannot name), "nul\x00in" (an escaped member), a
+# PCG64 generator, metadata and the library's counters.
+_OLD_WRITER_FILE = (
+    "eNq9Vb+PEkEUHg64u1BcLCw016ybeKjZI7uzsOwSkztjosVFpTFEETdzMPxIYCG7yyWGIyFUlCQ2lHa2tsZEbfQv"
+    "0NrK4hprO30PZuWWXAgR48AwM2/mG963771v80fR2D6ZtWvkyttv33+JtksuE9tuMo/VHG6zcrnbsj2f+dy2U07n"
+    "RYRcIk8jM2Awvnz4+EH+SYSckF6ywr2ym8xJydOullSkZLXt+i5z7LZb4Wi/x5oeB7tXZx0O6xtUM5WbitSX/rol"
+    "ejL8S4v5ck6iiiQ7rMU9mBeLckGGdQH9lkuKVJRZhbVSPhpns/lOtdHkaMdxbnW6zWddFVrDwU3bBnbgd0WfH3Gd"
+    "Gm7BMLOBUW5xH+73GTjRk3mnXa4L1zzOHfRMUySaypT6YAo96SnA83kH/bf6/XwoTI/OyK0gTHEIUyEIyEQcCcYL"
+    "A3K7ml4tIIqkrxmQmReDA/g5hC/0AfRXh2E6zz98TQV0EkBnHhLkNBLnRks5NcyVOK3HZ8opLvwIc3gz+XQn4LAN"
+    "HIL0QQZjcWq8PCrmilFZl4OIys8D4c7HMJMfV9+VAiY7Uw04n+vIZyjODpfxOT3W/hefyEIs3ptnXwIGW8BAlCS6"
+    "vieUau9fKJZmGOsr1nHDt2vc4S7z2y4Uu5y/e99Io5JMxVYIwWxmamnV0NWspVKa1nU1o9GMSnWdWqZJTc3KGFk1"
+    "C5IiN5wyCo2habphmGlDp9QwYdOkGSutmhm4w9AtA3azlo7iU2ee3W04vk4Bp4IBF7zG0SMV1CeysR8NvyZQ87Hv"
+    "knkbTJ/qkpfG4kUoZBOhV/HQRa/hqsJFEBSLkZCDRAhyskHOScciDgt0LIpwO4TLRcmfcl1EYTEMRarvhFCxGFko"
+    "jUUspiHmGfatEPYzYEVS5o/im2jchE8RDl6frn4DGt+2rw=="
+)
+
+
+def test_a_checkpoint_of_the_previous_writer_still_loads(tmp_path):
+    import base64
+    import zlib
+
+    path = tmp_path / "old.npz"
+    path.write_bytes(zlib.decompress(base64.b64decode(_OLD_WRITER_FILE)))
+    with zipfile.ZipFile(path) as zf:
+        assert "file.npy" in zf.namelist()    # the old writer's member; the manifest says so
+    variables = [pytensor.shared(np.zeros((2, 3), "float32"), name="W"),
+                 pytensor.shared(np.int64(0), name="adam.t"),
+                 pytensor.shared(np.zeros(2), name="file"),
+                 pytensor.shared(np.zeros(2, bool), name="nul\x00in"),
+                 pytensor.shared(np.random.default_rng(0), name="rng")]
+    for again in (False, True):               # as written then, and saved again now
+        metadata, library, names = la.checkpoint.read_state(path, [variables])
+        W, t, file, nul, rng = (v.get_value() for v in variables)
+        assert metadata == {"epoch": 2, "seen": [1, 2.5]} and library == {"steps": 9}
+        assert names == ["W", "adam.t", "file", "nul\x00in", "rng"]
+        assert W.dtype == np.float32 and W.tolist() == [[0, 1, 2], [3, 4, 5]]
+        assert t.dtype == np.int64 and int(t) == 5
+        assert file.tolist() == [1.5, -2.0] and nul.tolist() == [True, False]
+        assert rng.random() == 0.22520718999059186
+        if not again:
+            rng.bit_generator.state = np.random.default_rng(7).bit_generator.state
+            rng.random(3)
+            la.checkpoint.write_state(path, [variables], {"epoch": 2, "seen": [1, 2.5]},
+                                      {"steps": 9})
+            for v in variables[:4]:
+                v.set_value(np.zeros_like(v.get_value()))
+
+
+def _replace_member(path, member, data):
+    members = _saved_members(path)
+    members[member] = data
+    _write_raw(path, members)
+
+
+def _npy(value):
+    import io
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, value, allow_pickle=True)
+    return buf.getvalue()
+
+
+def _manifest(**manifest):
+    import json
+    return _npy(np.frombuffer(json.dumps(manifest).encode(), np.uint8))
+
+
+@pytest.mark.parametrize("member, data, match", [
+    ("w.npy", _npy(np.array([object(), 1], dtype=object)), r"w: holds Python objects \(pickle\)"),
+    ("w.npy", b"\x93NUMPY\x09\x00" + b"\0" * 40, "unsupported .npy version 9.0"),
+    ("w.npy", b"\x93NUMPY\x01\x00\x40\x00{'descr': '<f8'," + b" " * 40,
+     "not a readable checkpoint"),
+    ("__lasagne_accum_state__.npy", _npy(np.array([1, None], dtype=object)), "bad format marker"),
+    ("__lasagne_accum_state__.npy", _npy(np.zeros(3)), "bad format marker"),
+    ("__lasagne_accum_state__.npy", _npy(np.frombuffer(b"{not json", np.uint8)), "bad manifest"),
+    ("__lasagne_accum_state__.npy", _npy(np.frombuffer(b"[2]", np.uint8)), "bad manifest"),
+    ("__lasagne_accum_state__.npy", _manifest(format=2, names=[["w", "w.npy"]], metadata=[1]),
+     r"bad manifest \(metadata\)"),
+    ("__lasagne_accum_state__.npy", _manifest(format=2, names={"w": "w.npy"}),
+     r"bad manifest \(names\)"),
+    ("__lasagne_accum_state__.npy", _manifest(format=2, names=[["w", "w.npy"], ["w", "w.npy"]]),
+     "'w' appears twice"),
+    ("__lasagne_accum_state__.npy", _manifest(format=2, names=[["w", "x.npy"]]),
+     "member 'x.npy' of 'w' is missing"),
+    ("__lasagne_accum_state__.npy",
+     _manifest(format=2, names=[["w", "__lasagne_accum_state__.npy"]]), "of 'w' is missing"),
+])
+def test_hostile_files_are_refused_and_load_nothing(tmp_path, member, data, match):
+    w = pytensor.shared(np.arange(3.0), name="w")
+    path = tmp_path / "c.npz"
+    save_state(path, [w])
+    _replace_member(path, member, data)
+    w.set_value(np.full(3, 7.0))
+    with pytest.raises(ValueError, match=match):
+        load_state(path, [w])
+    assert w.get_value().tolist() == [7.0] * 3
+
+
+def test_an_entry_of_free_shape_beyond_max_bytes_is_refused_before_reading(tmp_path):
+    path = tmp_path / "c.npz"
+    la.checkpoint.save_arrays(path, {"gen": np.zeros(5000, np.uint8)})
+    with pytest.raises(ValueError, match="gen: 5000 bytes in the checkpoint, more than the 4096"):
+        la.checkpoint.read_arrays(path, {"gen": (None, np.uint8)}, max_bytes=4096)
+    assert la.checkpoint.read_arrays(path, {"gen": (None, np.uint8)})["gen"].shape == (5000,)
 
 
 def test_duplicate_and_missing_names_warn_at_save_and_refuse_at_load(tmp_path):
