@@ -74,7 +74,7 @@ def parse_args(argv=None):
                    help="momentum grid; 0 is plain SGD, reported as its own curve")
     p.add_argument("--metric", choices=["loss", "error"], default="loss",
                    help="what the target is on: the held-out cross-entropy, or error rate")
-    p.add_argument("--target", type=models.positive_float, default=0.1,
+    p.add_argument("--target", type=models.positive_float, default=0.15,
                    help="the held-out loss (or error) to reach")
     p.add_argument("--max-epochs", type=models.positive_int, default=100,
                    help="a run that has not reached the target by then counts as never")
