@@ -7,7 +7,9 @@ Independent references:
   ones replayed in the server's recorded arrival order);
 * sync mode: one step of the plain rule compiled single-process on the
   concatenation of every worker's batches of the round (float64, 1e-10);
-* checkpoints: an uninterrupted run of the same training.
+* checkpoints: an uninterrupted run of the same training;
+* a refused non-finite step: the steps before it, computed single-process,
+  or the state read before the refused push.
 
 The Dask tests share one loopback ``LocalCluster`` (2 processes) per module,
 started by a fixture that closes it, and are skipped when ``distributed`` is
@@ -27,6 +29,7 @@ from lasagne_accum import adam, momentum, sgd
 from lasagne_accum.distributed import (
     Checkpoint,
     DaskOptions,
+    NonFiniteStepError,
     ParameterServer,
     PushRejected,
     RoundFailedError,
@@ -640,12 +643,16 @@ def test_failing_apply_async_applies_nothing_and_the_push_can_be_retried():
     np.testing.assert_array_equal(server.pull()[1]["w"], [-0.5, -0.5])
 
 
-def test_an_async_push_failing_on_its_second_shard_is_completed_by_its_resend():
-    """Shard b's step raises: shard w has applied the push (it came first), b has not; the
-    resend of the same (worker, seq) is a duplicate on w and applies on b, once."""
+@pytest.mark.parametrize("check_finite", [True, False])
+def test_an_async_push_failing_on_its_second_shard_is_completed_by_its_resend(check_finite):
+    """Shard b's step raises. With check_finite, every shard computes its step before any is
+    taken: neither shard applied the push. Without, steps are written as they are computed:
+    shard w has applied it (it came first), b has not. Either way the resend of the same
+    (worker, seq) completes it, once on each shard."""
     broken = {"on": True}
     server = ParameterServer({"w": np.zeros(2), "b": np.zeros(1)}, sgd,
-                             dict(learning_rate=_halving), mode="async")
+                             dict(learning_rate=_halving), mode="async",
+                             check_finite=check_finite)
     assert [s.name for s in server.shards] == ["w", "b"]
     _break_applies(server, broken, shards=[1])
     server.register("a")
@@ -653,9 +660,10 @@ def test_an_async_push_failing_on_its_second_shard_is_completed_by_its_resend():
     with pytest.raises(RoundFailedError, match="'b'.*not applied here.*overflowed"):
         server.push("a", 0, grads, version=(0, 0))
     state = server.state()
-    assert server.stats()["version"] == (1, 0)
-    assert int(state["w/schedule_step"]) == 1 and int(state["b/schedule_step"]) == 0
-    np.testing.assert_array_equal(state["w"], [-0.5, -0.5])
+    w_took = 0 if check_finite else 1
+    assert server.stats()["version"] == (w_took, 0)
+    assert int(state["w/schedule_step"]) == w_took and int(state["b/schedule_step"]) == 0
+    np.testing.assert_array_equal(state["w"], [-0.5 * w_took] * 2)
     np.testing.assert_array_equal(state["b"], [0.0])
     broken["on"] = False
     server.push("a", 0, grads, version=(0, 0))
@@ -1048,3 +1056,155 @@ def test_a_model_with_batch_norm_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="batch_norm\\(\\) layers, which the parameter server"):
         train(build_model_with_batch_norm, [batches_for(1, [4, 4])], adam,
               dict(learning_rate=0.05), mode="sync", compile_mode="CVM")
+
+
+# ------------------------------------------------------------------ non-finite steps
+
+
+def _nan_at_step_1(step):
+    """A learning-rate schedule with a bug: NaN at step 1, 0.1 elsewhere (module level)."""
+    return pt.switch(pt.eq(step, 1), np.nan, 0.1)
+
+
+def _server(backend, request, params, rule, rule_kwargs, one_process=False, **options):
+    """A ParameterServer, or a DaskParameterServer on the module's cluster (its shards in
+    both processes, or in one with `one_process`)."""
+    if backend == "local":
+        return ParameterServer(params, rule, rule_kwargs, **options)
+    from lasagne_accum.distributed.dask import DaskParameterServer
+
+    client = request.getfixturevalue("dask_client")
+    workers = sorted(client.scheduler_info()["workers"])[:1] if one_process else None
+    return DaskParameterServer(client, params, rule, rule_kwargs, workers=workers,
+                               compile_mode="CVM", **options)
+
+
+def _train_on(server, backend, request, worker_batches, mode):
+    dask = DaskOptions(client=request.getfixturevalue("dask_client")) \
+        if backend == "dask" else None
+    return train(build_model, worker_batches, sgd, dict(learning_rate=_nan_at_step_1),
+                 mode=mode, backend=backend, server=server, compile_mode="CVM", dask=dask)
+
+
+BACKENDS = [pytest.param("local"), pytest.param("dask", marks=needs_dask)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_schedule_giving_nan_stops_train_naming_the_parameter_and_the_step(backend, mode,
+                                                                            request):
+    """The schedule is NaN at step 1: train() raises naming a parameter and step 1, and every
+    shard keeps its state after step 0: one SGD step at rate 0.1 on the first batches,
+    computed single-process (sync: two trainers; async: one, so step 0 is its first push).
+    pull() and stats() answer with that state; the server keeps serving."""
+    n = 2 if mode == "sync" else 1
+    worker_batches = [batches_for(80 + k, [4, 3]) for k in range(n)]
+    initial = {p.name: p.get_value() for p in build_model()[2]}
+    server = _server(backend, request, initial, sgd, dict(learning_rate=_nan_at_step_1),
+                     mode=mode)
+    try:
+        with pytest.raises(RuntimeError, match=r"NonFiniteStepError: shard '\w+': .*would "
+                           r"write NaN into parameter '(W1|b1|W2|b2)' at step 1") as info:
+            _train_on(server, backend, request, worker_batches, mode)
+        if backend == "local":
+            assert isinstance(info.value.__cause__, NonFiniteStepError)
+        expected = reference_sync(sgd, dict(learning_rate=0.1),
+                                  [wb[:1] for wb in worker_batches], 1)
+        version, params = server.pull()
+        assert version == (1,) * 4
+        for name, value in expected.items():
+            np.testing.assert_allclose(params[name], value, **TOL, err_msg=name)
+        stats = server.stats()
+        assert stats["version"] == (1,) * 4 and stats["applied"] == n
+        assert stats["failed_rounds"] == (1 if mode == "sync" else 0)
+        state = server.state()
+        assert all(int(state[f"{s}/schedule_step"]) == 1 for s in server.shard_names)
+        assert all(np.isfinite(a).all() for a in state.values())
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_without_check_finite_a_nan_step_is_written_as_before(backend, request):
+    """check_finite=False (documented: no checks, steps written as computed): train() returns
+    and the NaN of step 1 is in every parameter."""
+    worker_batches = [batches_for(80 + k, [4, 3]) for k in range(2)]
+    initial = {p.name: p.get_value() for p in build_model()[2]}
+    server = _server(backend, request, initial, sgd, dict(learning_rate=_nan_at_step_1),
+                     mode="sync", check_finite=False)
+    try:
+        result = _train_on(server, backend, request, worker_batches, "sync")
+        assert result.version == (2,) * 4
+        assert all(np.isnan(v).all() for v in result.params.values())
+    finally:
+        server.close()
+
+
+def _overflowing(backend, request, mode, **options):
+    """Two float32 shards; pushing OVERFLOW takes b past the largest float32 (-inf), w not."""
+    return _server(backend, request, {"w": np.zeros(2, np.float32),
+                                      "b": np.full(1, -3e38, np.float32)},
+                   sgd, dict(learning_rate=1.0), mode=mode, wait_timeout=30.0, **options)
+
+
+OVERFLOW = {"w": np.ones(2, np.float32), "b": np.full(1, 3e38, np.float32)}
+FINITE = {"w": np.ones(2, np.float32), "b": np.ones(1, np.float32)}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_step_non_finite_on_one_shard_is_taken_on_none(backend, mode, request):
+    """Shard b's step would write -inf, shard w's is finite: neither is taken (Dask: both
+    shards in one process); every pusher gets the error naming b and step 0; the state equals
+    the one read before the push, and a finite push is then applied on both."""
+    server = _overflowing(backend, request, mode, one_process=True)
+    try:
+        workers = ["x", "y"] if mode == "sync" else ["x"]
+        for w in workers:
+            server.register(w)
+        before = state_of(server)
+        out, _ = _push_in_threads(server, [(w, 0, OVERFLOW, 1.0, (0, 0)) for w in workers])
+        for w in workers:
+            assert isinstance(out[w], NonFiniteStepError), out[w]
+            assert "would write inf into parameter 'b' at step 0" in str(out[w])
+        assert_same_state(state_of(server), before)
+        assert server.pull()[0] == (0, 0) and server.stats()["version"] == (0, 0)
+        out, _ = _push_in_threads(server, [(w, 1, FINITE, 1.0, (0, 0)) for w in workers])
+        assert all(out[w]["applied"] for w in workers), out
+        version, params = server.pull()
+        assert version == (1, 1)
+        np.testing.assert_array_equal(params["w"], [-1.0, -1.0])
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_round_closed_by_a_leaving_worker_is_refused_on_every_shard(backend, request):
+    """Sync: x pushes an overflowing gradient, y leaves, which closes the round: neither
+    shard takes its step (Dask: both shards in one process); the round failed, state as before."""
+    server = _overflowing(backend, request, "sync", one_process=True)
+    try:
+        for w in "xy":
+            server.register(w)
+        before = state_of(server)
+        server.push("x", 0, OVERFLOW, version=(0, 0), wait=False)
+        server.unregister("y")
+        assert_same_state(state_of(server), before)
+        stats = server.stats()
+        assert stats["version"] == (0, 0) and stats["failed_rounds"] == 1
+        assert all(s["pending"] == 0 for s in stats["shards"].values())
+    finally:
+        server.close()
+
+
+def test_a_non_finite_rule_state_is_refused_naming_it():
+    """float32 Adam: a gradient of 1e20 squares past the largest float32 into adam_v while
+    the parameter's step stays finite; the step is refused all the same."""
+    server = ParameterServer({"w": np.zeros(2, np.float32)}, adam, dict(learning_rate=0.1),
+                             mode="async")
+    version, _ = server.register("a")
+    before = state_of(server)
+    with pytest.raises(NonFiniteStepError, match=r"inf into the rule's state 'w.adam_v' at "
+                                                 r"step 0"):
+        server.push("a", 0, {"w": np.array([1e20, 1.0], np.float32)}, version=version)
+    assert_same_state(state_of(server), before)

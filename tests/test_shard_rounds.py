@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from lasagne_accum.distributed.errors import (
+    NonFiniteStepError,
     PushRejected,
     RoundFailedError,
     RoundTimeoutError,
@@ -15,26 +16,41 @@ from lasagne_accum.distributed.errors import (
 )
 from lasagne_accum.distributed.options import ServerOptions
 from lasagne_accum.distributed.reduction import reduce_grads, reduce_grads_numpy
-from lasagne_accum.distributed.rounds import Rounds, Seen
+from lasagne_accum.distributed.rounds import Rounds, Seen, Step, settle
 
 SPECS = {"w": ((2,), "float64")}
 
 
 class NumpySGD:
-    """``w -= factor * g`` with ``factor = lr * scale``; step number `fail_at` raises."""
+    """``w -= factor * g`` with ``factor = lr * scale``; step number `fail_at` raises.
 
-    def __init__(self, lr=1.0, fail_at=None):
+    `check_finite`: the step is computed, then written by ``commit`` (the
+    protocol of the shard's compiled apply function); without, it is
+    written at once.
+    """
+
+    def __init__(self, lr=1.0, fail_at=None, check_finite=True):
         self.w = np.zeros(2)
         self.lr, self.fail_at, self.calls = lr, fail_at, []
+        self.check_finite = check_finite
 
     def factor(self, scale):
         return self.lr * scale
 
-    def __call__(self, arrays, factor):
+    def prepare(self, arrays, factor):
         if self.fail_at is not None and len(self.calls) == self.fail_at:
             raise FloatingPointError("simulated failure inside the apply function")
         self.calls.append(factor)
-        self.w = self.w - factor * arrays[0]
+        with np.errstate(invalid="ignore"):
+            new = self.w - factor * arrays[0]
+        if not self.check_finite:
+            self.w = new
+            return Step()
+        return Step([new], None if np.isfinite(new).all() else "NaN into parameter 'w'")
+
+    def commit(self, step):
+        if not step.taken:
+            self.w = step.values[0]
 
 
 class Clock:
@@ -150,6 +166,68 @@ def test_async_apply_failure_is_an_error_and_nothing_is_recorded():
     assert r.version == 0 and 0 not in r.seen["a"]
     sgd.fail_at = None
     assert push(r, "a", 0, [1.0, 1.0])["applied"]
+
+
+def test_a_non_finite_sync_step_is_refused_and_the_book_keeps_working():
+    """Round 1's rate is NaN: the round is refused (its waiters get the error naming the
+    parameter and the step), w keeps its last finite value, and the same pushes apply once the
+    rate is finite again."""
+    r, sgd = book()
+    for w in "ab":
+        r.register(w)
+    push(r, "a", 0, [1.0, 1.0])
+    push(r, "b", 0, [1.0, 1.0])                              # round 0: w = -1
+    sgd.lr = float("nan")
+    push(r, "a", 1, [1.0, 1.0])
+    assert not push(r, "b", 1, [1.0, 1.0])["applied"]
+    with pytest.raises(NonFiniteStepError,
+                       match=r"sync round 1 would write NaN into parameter 'w' at step 1"):
+        r.outcome(1)
+    assert r.version == 1 and not r.pending and r.counts["failed_rounds"] == 1
+    np.testing.assert_array_equal(sgd.w, [-1.0, -1.0])
+    assert r.stats()["version"] == 1
+    sgd.lr = 0.5
+    push(r, "a", 1, [1.0, 1.0])
+    assert push(r, "b", 1, [1.0, 1.0])["applied"]
+    np.testing.assert_array_equal(sgd.w, [-1.5, -1.5])
+
+
+def test_a_non_finite_async_step_raises_and_nothing_is_recorded():
+    r, sgd = book(mode="async", apply=NumpySGD(lr=float("inf")))
+    r.register("a")
+    ticket = r.check("a", 0, 0)
+    with pytest.raises(NonFiniteStepError, match="worker 'a' .seq 0. would write NaN into "
+                                                 "parameter 'w' at step 0"):
+        r.commit("a", 0, [np.array([1.0, 0.0])], 1.0, 0, ticket)   # inf * 0 is NaN
+    assert r.version == 0 and 0 not in r.seen["a"] and sgd.w.tolist() == [0.0, 0.0]
+    sgd.lr = 1.0
+    assert push(r, "a", 0, [1.0, 1.0])["applied"]
+
+
+def test_without_check_finite_a_non_finite_step_is_written():
+    """An apply that writes as it computes (check_finite off) cannot be refused: the step is
+    recorded as taken, NaN included."""
+    r, sgd = book(apply=NumpySGD(lr=float("nan"), check_finite=False))
+    r.register("a")
+    assert push(r, "a", 0, [1.0, 1.0])["applied"] and r.version == 1
+    assert np.isnan(sgd.w).all()
+
+
+def test_settle_takes_the_steps_of_several_books_all_or_none():
+    """Two shards' books: b's step is NaN, so a's finite step is not taken either; with a's
+    apply writing in place (no check), a's step stays taken and is recorded."""
+    for a_checks in (True, False):
+        ra, a = book(mode="async", apply=NumpySGD(check_finite=a_checks))
+        rb, b = book(mode="async", apply=NumpySGD(lr=float("nan")))
+        for rounds in (ra, rb):
+            rounds.register("x")
+        staged = [rounds.stage("x", 0, [np.ones(2)], 1.0, 0, rounds.check("x", 0, 0))
+                  for rounds in (ra, rb)]
+        with pytest.raises(NonFiniteStepError, match="shard 'w'"):
+            settle(staged)
+        assert rb.version == 0 and b.w.tolist() == [0.0, 0.0]
+        assert ra.version == (0 if a_checks else 1)
+        assert a.w.tolist() == ([0.0, 0.0] if a_checks else [-1.0, -1.0])
 
 
 def test_applied_seqs_round_trip_through_counters():

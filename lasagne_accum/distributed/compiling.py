@@ -25,6 +25,6 @@ def compile_function(inputs, outputs, updates, compile_mode=None, *, role):
     if role not in ("accumulate", "apply"):
         raise ValueError(f"role must be 'accumulate' or 'apply', got {role!r}")
     if compile_mode is None:
-        accumulate_mode, apply_mode = default_modes(float_dtype(updates))
+        accumulate_mode, apply_mode = default_modes(float_dtype(updates or outputs))
         compile_mode = accumulate_mode if role == "accumulate" else apply_mode
     return pytensor.function(inputs, outputs, updates=updates, mode=mode(compile_mode))

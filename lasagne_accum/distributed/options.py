@@ -55,7 +55,14 @@ class ServerOptions:
         PyTensor mode of the apply functions (default: see
         :func:`lasagne_accum.default_modes`).
     check_finite : bool
-        Reject gradients with NaN or inf.
+        Reject gradients with NaN or inf, and refuse a step that would write
+        NaN or inf into a parameter or the rule's state
+        (:class:`~lasagne_accum.distributed.NonFiniteStepError`, naming them
+        and the step): the steps of a push, or of the sync rounds it closes,
+        on the shards of one process are computed before any is written,
+        and taken on all of them or on none, so the parameters keep their
+        last finite values. False: no checks, and each step is written in
+        place as it is computed (what it writes, NaN included, is kept).
     keep_log : bool
         Keep the order of applied pushes per shard (``stats()["shards"][s]["log"]``).
     profile : bool

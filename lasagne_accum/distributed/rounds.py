@@ -5,6 +5,11 @@ async step, a place in the open sync round, the push that closes it) and
 keeps the counters; the arithmetic is an ``apply`` object it is given (the
 compiled function of :mod:`lasagne_accum.distributed.shard`, or a numpy
 function in tests). It has no lock: its owner holds one around every call.
+
+A step is taken in two phases: :meth:`Rounds.stage` computes it (a
+:class:`Step`), :func:`settle` takes the staged steps of several shards, or,
+when one of them failed (its computation raised, or it would write NaN or
+inf), refuses every one that was not already written in place.
 """
 
 import json
@@ -13,11 +18,11 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .errors import PushRejected, RoundFailedError, RoundTimeoutError, StalePushError, \
-    UnknownWorkerError
+from .errors import NonFiniteStepError, PushRejected, RoundFailedError, RoundTimeoutError, \
+    StalePushError, UnknownWorkerError
 from .reduction import reduce_grads
 
-__all__ = ["Rounds", "Seen"]
+__all__ = ["Rounds", "Seen", "Step", "Staged", "settle"]
 
 KEEP_RESULTS = 256          # sync round results kept for late waiters
 
@@ -49,6 +54,72 @@ class Seen:
             self.above.discard(self.floor)
 
 
+class Step:
+    """A step an apply object computed: what it writes, and whether that is finite.
+
+    Attributes
+    ----------
+    values : list or None
+        The new values, written by ``apply.commit(step)``; None when the
+        step was written in place as it was computed (``taken``: without
+        ``check_finite`` nothing is kept to refuse it with).
+    bad : str or None
+        What is not finite in `values`, for messages (``"NaN into parameter
+        'w'"``); None when all of it is finite (or unchecked).
+    """
+
+    __slots__ = ("values", "bad")
+
+    def __init__(self, values=None, bad=None):
+        self.values, self.bad = values, bad
+
+    @property
+    def taken(self):
+        return self.values is None
+
+
+class Staged:
+    """One shard's part of a push (or a round's close) between :meth:`Rounds.stage` and
+    :func:`settle`.
+
+    `result` is the result when nothing is to be taken; `step` the computed
+    step (None: none, or its computation raised); `failure` the error that
+    refuses it (and every step settled with it); ``take()`` writes the step
+    and records it, returning the result; ``refuse(error)`` records the
+    refusal, returning the result. `raises`: the failure is raised to the
+    caller (an async push), not handed to a round's waiters.
+    """
+
+    __slots__ = ("result", "step", "failure", "take", "refuse", "raises")
+
+    def __init__(self, result=None, step=None, failure=None, take=None, refuse=None,
+                 raises=False):
+        self.result, self.step, self.failure = result, step, failure
+        self.take, self.refuse, self.raises = take, refuse, raises
+
+
+def settle(staged):
+    """Take the staged steps of several shards (the same lock hold), all or none.
+
+    If any of them failed, every step not already written in place is
+    refused (a step computed without ``check_finite`` was written as it was
+    computed: it is recorded as taken). Returns each one's result; raises
+    the failure of an async push once all are settled.
+    """
+    failure = next((s.failure for s in staged if s.failure is not None), None)
+    out = []
+    for s in staged:
+        if s.take is None:
+            out.append(s.result)
+        elif s.step is not None and (failure is None or s.step.taken):
+            out.append(s.take())
+        else:
+            out.append(s.refuse(failure))
+    if failure is not None and any(s.raises for s in staged):
+        raise failure
+    return out
+
+
 class Rounds:
     """Who may push, what was applied, and the open sync round of one shard.
 
@@ -61,8 +132,8 @@ class Rounds:
     options : ServerOptions
     apply : object
         ``apply.factor(scale)`` returns the factor input of a step whose
-        staleness scale is `scale`, and ``apply(arrays, factor)`` applies one
-        step.
+        staleness scale is `scale`; ``apply.prepare(arrays, factor)``
+        computes one step (a :class:`Step`), ``apply.commit(step)`` writes it.
 
     Notes
     -----
@@ -105,10 +176,14 @@ class Rounds:
 
     def unregister(self, worker_id):
         """Remove a live worker; a sync round waiting only for it closes. True if it was live."""
-        was = self.live.pop(worker_id, None) is not None
-        if self.pending and self._complete():
-            self.close_round(timed_out=False)
+        was, staged = self.leave(worker_id)
+        settle(staged)
         return was
+
+    def leave(self, worker_id):
+        """:meth:`unregister`'s first phase: ``(was live, [the round it closes, staged])``."""
+        was = self.live.pop(worker_id, None) is not None
+        return was, [self._closing(timed_out=False)] if self.pending and self._complete() else []
 
     def require_live(self, worker_id):
         if worker_id not in self.live:
@@ -158,21 +233,54 @@ class Rounds:
 
     def commit(self, worker_id, seq, arrays, weight, version, ticket):
         """Carry out a push that :meth:`check` accepted (same lock hold); return its result."""
+        return settle([self.stage(worker_id, seq, arrays, weight, version, ticket)])[0]
+
+    def stage(self, worker_id, seq, arrays, weight, version, ticket):
+        """The first phase of :meth:`commit`: the push is counted and queued, and the step
+        it makes (async, or the sync round it completes) computed but not taken;
+        :func:`settle` takes it, or refuses it."""
         kind, value = ticket
         if kind == "duplicate":
             self.counts["duplicates"] += 1
-            return dict(value, version=self.version)
+            return Staged(result=dict(value, version=self.version))
         self.counts["received"] += 1
         self.counts["bytes"] += sum(a.nbytes for a in arrays)
         self.counts["examples"] += weight
         if self.options.mode == "async":
-            staleness = self.version - version
-            try:
-                self.apply(arrays, value)
-            except Exception as exc:
-                raise RoundFailedError(f"{self.where}: applying the push of worker "
-                                       f"{worker_id!r} (seq {seq}) failed, not applied here: "
-                                       f"{type(exc).__name__}: {exc}") from exc
+            return self._stage_async(worker_id, seq, arrays, value, self.version - version)
+        if not self.pending:
+            self.round_started = self.clock()
+        self.pending[worker_id] = (seq, arrays, weight)
+        self.last[worker_id] = (seq, self.round)
+        result = dict(applied=False, duplicate=False, staleness=0, round=self.round,
+                      version=self.version)
+        if not self._complete():
+            return Staged(result=result)
+        closing = self._closing(timed_out=False)
+
+        def take():
+            closing.take()
+            return dict(result, applied=True, version=self.version)
+
+        def refuse(error):
+            closing.refuse(error)
+            return result
+
+        return Staged(step=closing.step, failure=closing.failure, take=take, refuse=refuse)
+
+    def _stage_async(self, worker_id, seq, arrays, factor, staleness):
+        step, failure = self._compute(
+            arrays, factor, lambda exc: RoundFailedError(
+                f"{self.where}: applying the push of worker {worker_id!r} (seq {seq}) failed, "
+                f"not applied here: {type(exc).__name__}: {exc}"),
+            lambda bad: NonFiniteStepError(
+                f"{self.where}: the push of worker {worker_id!r} (seq {seq}) would write "
+                f"{bad} at step {self.version}; refused: nothing of the push was applied, "
+                f"the parameters keep their last finite values (version {self.version}), "
+                "and the server keeps serving (check_finite=True)"))
+
+        def take():
+            self.apply.commit(step)
             self.seen[worker_id].add(seq)
             self.version += 1
             self.applied += 1
@@ -181,14 +289,19 @@ class Rounds:
                 self.log.append((worker_id, seq, staleness))
             return dict(applied=True, duplicate=False, staleness=staleness, round=None,
                         version=self.version)
-        if not self.pending:
-            self.round_started = self.clock()
-        self.pending[worker_id] = (seq, arrays, weight)
-        self.last[worker_id] = (seq, self.round)
-        rid = self.round
-        closed = self._complete() and self.close_round(timed_out=False)
-        return dict(applied=bool(closed), duplicate=False, staleness=0, round=rid,
-                    version=self.version)
+
+        return Staged(step=step, failure=failure, take=take, refuse=lambda error: None,
+                      raises=True)
+
+    def _compute(self, arrays, factor, on_error, on_bad):
+        """``(step, failure)``: the step `arrays` make (not taken), or the error refusing it."""
+        try:
+            step = self.apply.prepare(arrays, factor)
+        except Exception as exc:
+            failure = on_error(exc)
+            failure.__cause__ = exc
+            return None, failure
+        return step, (on_bad(step.bad) if step.bad is not None else None)
 
     # ------------------------------------------------------------ sync rounds
 
@@ -212,15 +325,34 @@ class Rounds:
 
     def close_round(self, timed_out):
         """Apply the open round; return its result, or None if applying failed (round failed)."""
+        return settle([self._closing(timed_out)])[0]
+
+    def _closing(self, timed_out):
+        """The open round's step, computed but not taken: a :class:`Staged` whose ``take()``
+        closes the round (returning its result) and ``refuse(error)`` fails it (None)."""
         order, total, merged = self.merged()
-        try:
-            self.apply(merged, self.apply.factor(1.0))
-        except Exception as exc:
-            self.fail_round(RoundFailedError(
+        step, failure = self._compute(
+            merged, self.apply.factor(1.0), lambda exc: RoundFailedError(
                 f"{self.where}: sync round {self.round} (version {self.version}) could not "
                 f"be applied: {type(exc).__name__}: {exc}; nothing of it was applied and the "
-                "server keeps serving: push again to retry"), missing=[])
-            return None
+                "server keeps serving: push again to retry"),
+            lambda bad: NonFiniteStepError(
+                f"{self.where}: sync round {self.round} would write {bad} at step "
+                f"{self.version}; the round was refused on every shard it closed on: nothing "
+                f"of it was applied, the parameters keep their last finite values (version "
+                f"{self.version}), and the server keeps serving (check_finite=True)"))
+
+        def take():
+            self.apply.commit(step)
+            return self._closed(order, total, timed_out)
+
+        def refuse(error):
+            self.fail_round(error, missing=[])
+
+        return Staged(step=step, failure=failure, take=take, refuse=refuse)
+
+    def _closed(self, order, total, timed_out):
+        """Record the open round as applied; its result."""
         missing = [w for w in self.live if w not in self.pending]
         for w in order:
             self.seen[w].add(self.pending[w][0])

@@ -18,7 +18,7 @@ from .checks import check_grads, check_seq, check_version, check_weight, check_w
     named_params, param_specs, plan_shards
 from .errors import PushRejected, ServerClosedError
 from .options import ServerOptions
-from .shard import Shard, push_atomic
+from .shard import Shard, push_atomic, unregister_atomic
 
 if TYPE_CHECKING:
     import numpy as np
@@ -214,9 +214,15 @@ class BaseServer:
         RoundFailedError
             The step (async) or the round (sync) could not be applied
             (the compiled step raised, a round timed out with
-            ``on_timeout="fail"``). A failed sync round applied nothing; a
-            failed async step applied nothing on its shard, but shards the
-            push reached before it may have applied it: send the same
+            ``on_timeout="fail"``), or was refused because it would write
+            NaN or inf (:class:`~lasagne_accum.distributed.NonFiniteStepError`,
+            with ``check_finite``). A failed sync round applied nothing
+            (nor, with ``check_finite``, did the rounds it closed with on
+            the other shards of its process). A failed async step applied
+            nothing on its shard; with ``check_finite`` (the default) nor on
+            the other shards of its process, but shards that other
+            processes hold, or (without ``check_finite``) the shards the
+            push reached before it, may have applied it: send the same
             ``(worker_id, seq)`` again to complete it.
         ServerTimeoutError
             Waited ``wait_timeout`` seconds for a round or a shard.
@@ -439,3 +445,9 @@ class ParameterServer(BaseServer):
 
     def _note_rejected(self):
         self.shards[0].note_rejected()
+
+    def unregister(self, worker_id: str | int) -> bool:
+        """Remove a worker from every shard's live set; the sync rounds this closes are taken
+        on every shard or on none (see :func:`~lasagne_accum.distributed.shard.push_atomic`)."""
+        self._check_open()
+        return any(unregister_atomic(self.shards, worker_id))

@@ -6,7 +6,9 @@ a number learning rate and the staleness scale enter as a factor fed at
 every step); :class:`~lasagne_accum.distributed.rounds.Rounds` is the
 bookkeeping; :class:`Shard` puts them behind one lock. :func:`push_atomic`
 pushes to several shards at once: it checks the push on every one of them
-before it commits it to any, so a rejected push leaves no trace.
+before it commits it to any, so a rejected push leaves no trace, and with
+``check_finite`` it computes every shard's step before it takes any, so a
+step that would write NaN or inf on one shard is taken on none.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pytensor.compile.sharedvalue import SharedVariable
 
 from ..checkpoint import collect_state
 from ..merge import merge_updates
-from .._graph import scalar_state
+from .._graph import scalar_state, write_value
 from ..rules._core import evaluate_schedule
 from ..model_average import ExponentialMovingAverage, ModelAverage
 from .._checks import check_rule_updates, rule_name
@@ -35,12 +37,12 @@ from .checks import check_grads, check_seq, check_version, check_weight, check_w
 from .errors import PushRejected, ServerTimeoutError
 from .options import ServerOptions
 from .compiling import compile_function
-from .rounds import Rounds
+from .rounds import Rounds, Step, settle
 
 if TYPE_CHECKING:
     from .._typing import UpdateRule
 
-__all__ = ["Shard", "ApplyFunction", "push_atomic"]
+__all__ = ["Shard", "ApplyFunction", "push_atomic", "unregister_atomic"]
 
 
 class ApplyFunction:
@@ -66,10 +68,15 @@ class ApplyFunction:
         ``{"model_average": kwargs, "ema": kwargs}`` (either may be None): the
         averages of the parameters the apply function keeps, advanced at each
         of its calls (each is an optimizer step of this shard).
+    check_finite : bool
+        Compute each step's new values (parameters, the rule's state, the
+        averages) as outputs, check that they are finite, and write them
+        only at :meth:`commit`. False: the compiled function updates them in
+        place as it computes them (no copy, no check).
     """
 
     def __init__(self, shard_name, params, update_rule, rule_kwargs, compile_mode,
-                 averages=None):
+                 averages=None, check_finite=False):
         if not callable(update_rule):
             raise TypeError(f"update_rule must be callable, got {type(update_rule).__name__}")
         rule_kwargs = dict(rule_kwargs or {})
@@ -108,8 +115,17 @@ class ApplyFunction:
                 # shard-level state (adam.t): one per shard, named after it
                 var.name = f"{shard_name}/{var.name or f'state{i}'}"
         self.updates = OrderedDict(updates)
-        self._fn = compile_function(grads + [factor], [], self.updates, compile_mode,
-                                    role="apply")
+        self.check_finite = bool(check_finite)
+        if self.check_finite:       # the new values come out; commit() writes them
+            self._targets = list(self.updates)
+            self._checked = [(i, var) for i, var in enumerate(self._targets)
+                             if np.dtype(var.type.dtype).kind in "fc"]
+            self._fn = compile_function(grads + [factor],
+                                        [self.updates[v] for v in self._targets], {},
+                                        compile_mode, role="apply")
+        else:
+            self._fn = compile_function(grads + [factor], [], self.updates, compile_mode,
+                                        role="apply")
         zeros = [np.zeros(shape, dtype) for shape, dtype in self.specs.values()]
         warm_up_calls(self.updates, lambda: self._fn(*zeros, 0.0))
 
@@ -117,10 +133,35 @@ class ApplyFunction:
         """The factor input of one step whose staleness scale is `scale`."""
         return self.base * scale if self.kind == "number" else scale
 
-    def __call__(self, arrays, factor):
+    def prepare(self, arrays, factor):
+        """Compute one step: a :class:`~lasagne_accum.distributed.rounds.Step`.
+
+        With `check_finite`, nothing is written yet (:meth:`commit` does) and
+        ``step.bad`` names the first value that is not finite; without, the
+        step is written in place now (``step.taken``).
+        """
         # arrays that crossed a process boundary may be unaligned views of the message,
         # which PyTensor's C code refuses: only those are copied
-        self._fn(*[a if a.flags.aligned else np.array(a) for a in arrays], factor)
+        out = self._fn(*[a if a.flags.aligned else np.array(a) for a in arrays], factor)
+        if not self.check_finite:
+            return Step()
+        for i, var in self._checked:
+            value = np.asarray(out[i])
+            if not np.isfinite(value).all():
+                what = "NaN" if np.isnan(value).any() else "inf"
+                kind = "parameter" if self.params.get(var.name) is var else "the rule's state"
+                return Step(out, f"{what} into {kind} {var.name!r}")
+        return Step(out)
+
+    def commit(self, step):
+        """Write a step :meth:`prepare` computed (nothing to do when it was taken in place)."""
+        if step.taken:
+            return
+        for var, value in zip(self._targets, step.values):
+            if isinstance(var.get_value(borrow=True), np.ndarray):
+                var.set_value(value, borrow=True)     # a fresh output: the variable owns it
+            else:
+                write_value(var, value)               # a device value keeps its storage
 
     def state_variables(self):
         """``{name: shared variable}``: params and the rule's state."""
@@ -175,7 +216,8 @@ class Shard:
         self.fn = ApplyFunction(name, self.params, update_rule, rule_kwargs,
                                 self.options.compile_mode,
                                 dict(model_average=self.options.model_average,
-                                     ema=self.options.ema))
+                                     ema=self.options.ema),
+                                check_finite=self.options.check_finite)
         self.updates = self.fn.updates
         self.lock = threading.Lock()
         self._cond = threading.Condition(self.lock)
@@ -203,8 +245,7 @@ class Shard:
 
     def unregister(self, worker_id: str | int) -> bool:
         """Remove a worker from the live set (a sync round may close now); True if it was live."""
-        with self.lock:
-            return self.book.unregister(worker_id)
+        return unregister_atomic([self], worker_id)[0]
 
     # ---------------------------------------------------------------- pull
 
@@ -271,7 +312,9 @@ class Shard:
         PushRejected
             Bad input; nothing changes on the shard.
         RoundFailedError
-            Async mode: the step could not be applied (nothing was).
+            Async mode: the step could not be applied (nothing was);
+            :class:`~lasagne_accum.distributed.NonFiniteStepError` when it would
+            write NaN or inf.
         """
         where = f"shard {self.name!r}"
         try:
@@ -441,6 +484,15 @@ class Shard:
             return expected
 
 
+@contextlib.contextmanager
+def _locked(shards):
+    """Hold the locks of `shards`, taken in their order."""
+    with contextlib.ExitStack() as stack:
+        for shard in shards:
+            stack.enter_context(shard.lock)
+        yield
+
+
 def push_atomic(shards, calls, pull=False, count_rejected=False):
     """Push to several shards as one: check every shard, then commit to every shard.
 
@@ -466,13 +518,15 @@ def push_atomic(shards, calls, pull=False, count_rejected=False):
     PushRejected
         From the first shard that refuses the push; no shard has changed.
     RoundFailedError
-        Async mode: a shard's compiled step raised; that shard and those
-        after it applied nothing, the shards before it applied the push
-        (a resend of the same ``(worker_id, seq)`` completes it).
+        Async mode: a shard's compiled step raised, or would write NaN or inf
+        (:class:`NonFiniteStepError`). With ``check_finite`` (the default)
+        every shard computes its step before any is taken: none was taken.
+        Without it, steps are written as they are computed: the shards
+        before the failing one applied the push (a resend of the same
+        ``(worker_id, seq)`` completes it). In sync mode the same holds for
+        the rounds this push closes, and the error goes to their waiters.
     """
-    with contextlib.ExitStack() as stack:
-        for shard in shards:
-            stack.enter_context(shard.lock)
+    with _locked(shards):
         try:
             tickets = [shard.book.check(wid, seq, version)
                        for shard, (wid, seq, _, _, version) in zip(shards, calls)]
@@ -480,11 +534,20 @@ def push_atomic(shards, calls, pull=False, count_rejected=False):
             if count_rejected:
                 shards[0].book.counts["rejected"] += 1
             raise
-        out = []
-        for shard, (wid, seq, arrays, weight, version), ticket in zip(shards, calls, tickets):
-            result = shard.book.commit(wid, seq, arrays, weight, version, ticket)
+        out = settle([shard.book.stage(wid, seq, arrays, weight, version, ticket)
+                      for shard, (wid, seq, arrays, weight, version), ticket
+                      in zip(shards, calls, tickets)])
+        for shard, result in zip(shards, out):
             if pull and (shard.options.mode == "async" or result["applied"]
                          or result["duplicate"]):
                 result["params"] = shard._copy()
-            out.append(result)
         return out
+
+
+def unregister_atomic(shards, worker_id):
+    """Remove a worker from several shards as one: the sync rounds this closes are taken
+    all or none (see :func:`push_atomic`). Returns, per shard, whether it was live."""
+    with _locked(shards):
+        left = [shard.book.leave(worker_id) for shard in shards]
+        settle([staged for _, pending in left for staged in pending])
+        return [was for was, _ in left]

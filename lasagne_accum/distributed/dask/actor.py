@@ -16,7 +16,7 @@ import pickle
 import time
 
 from ..errors import PushRejected, RoundFailedError, ServerTimeoutError
-from ..shard import Shard, push_atomic
+from ..shard import Shard, push_atomic, unregister_atomic
 from .cluster import require_distributed
 from .schema import check_request
 
@@ -156,6 +156,13 @@ class ShardActor:
         raise ValueError(f"unknown request {method!r}")
 
     def call(self, method, calls):
+        if method == "unregister" and len({args[0] for _, args in calls}) == 1:
+            # one worker leaves: the rounds it closes here are taken all or none
+            try:
+                return [(True, was) for was in unregister_atomic(
+                    [self._shards[name] for name, _ in calls], calls[0][1][0])]
+            except Exception as exc:      # sent back, raised by the caller
+                return [(False, exc)] * len(calls)
         out = []
         for name, args in calls:
             try:
