@@ -497,9 +497,10 @@ def ours(client, model, mode, trainers, pushes, shard_processes, accuracy):
     from lasagne_accum.distributed import DaskOptions, train
 
     X_test, y_test = digits()[2:]
-    result = train(build_model, functools.partial(our_batches, model, trainers, pushes), adam,
+    result = train(functools.partial(build_model, kind=model),
+                   functools.partial(our_batches, model, trainers, pushes), adam,
                    dict(learning_rate=MODELS[model].lr), n_workers=trainers, mode=mode,
-                   backend="dask", accumulate=ACCUMULATE, model_kwargs=dict(kind=model),
+                   backend="dask", accumulate=ACCUMULATE,
                    profile=True, dask=DaskOptions(client=client, shard_processes=shard_processes))
     return (result.examples / result.elapsed, accuracy(result.params, X_test, y_test),
             result)
@@ -570,7 +571,7 @@ def main(argv=None):
     import functools
 
     from lasagne_accum import adam
-    from lasagne_accum.distributed import DaskOptions, train
+    from lasagne_accum.distributed import Checkpoint, DaskOptions, train
     from lasagne_accum.distributed.dask import local_cluster
 
     start = time.perf_counter()
@@ -631,16 +632,17 @@ def main(argv=None):
                 epochs = 12 if args.quick else 30
                 cnn_pushes = epochs * len(X_train) // (MODELS["cnn"].batch * ACCUMULATE)
                 for name in (list(ttt) if r % 2 == 0 else list(ttt)[::-1]):
-                    kw = dict(mode="async", accumulate=ACCUMULATE, snapshot_interval=0.01,
-                              model_kwargs=dict(kind="cnn"))
+                    kw = dict(mode="async", accumulate=ACCUMULATE,
+                              checkpoint=Checkpoint(snapshot_every=0.01))
+                    cnn = functools.partial(build_model, kind="cnn")
                     if name.startswith("dask"):
-                        result = train(build_model, functools.partial(
+                        result = train(cnn, functools.partial(
                             our_batches, "cnn", 2, cnn_pushes // 2), adam,
                             dict(learning_rate=MODELS["cnn"].lr), n_workers=2, backend="dask",
                             dask=DaskOptions(client=client,
                                              shard_processes=args.shard_processes), **kw)
                     else:
-                        result = train(build_model, [trainer_batches("cnn", 0, 1, cnn_pushes)],
+                        result = train(cnn, [trainer_batches("cnn", 0, 1, cnn_pushes)],
                                        adam, dict(learning_rate=MODELS["cnn"].lr),
                                        backend="local", **kw)
                     ttt[name].append((time_to_accuracy(result, accuracy["cnn"], X_test, y_test),

@@ -11,6 +11,7 @@ applies each push on arrival.
     python examples/distributed_digits.py --backend dask --mode async --workers 2 --accumulate 4
 """
 
+import functools
 import time
 from collections import Counter
 
@@ -123,9 +124,10 @@ def main(argv=None):
           f"({args.backend}, {args.mode}), {args.optimizer} lr={lr}, batch {args.batch_size} "
           f"x accumulate {args.accumulate}, {args.epochs} epochs")
     start = time.perf_counter()
-    result = train(build_model, data, getattr(rules, args.optimizer), rule_kwargs,
+    result = train(functools.partial(build_model, hidden=args.hidden), data,
+                   getattr(rules, args.optimizer), rule_kwargs,
                    mode=args.mode, backend=args.backend, accumulate=args.accumulate,
-                   staleness_scale=args.staleness_scale, model_kwargs={"hidden": args.hidden},
+                   staleness_scale=args.staleness_scale,
                    dask=DaskOptions(address=args.address, security=security,
                                     shard_processes=args.shard_processes))
     total = time.perf_counter() - start

@@ -35,6 +35,7 @@ from lasagne_accum.distributed import (
     RoundFailedError,
     RoundTimeoutError,
     ServerClosedError,
+    ServerOptions,
     StalePushError,
     UnknownWorkerError,
     Worker,
@@ -814,6 +815,8 @@ def test_checkpoint_every_saves_while_training_local(tmp_path):
     ("resume_from", r"checkpoint=Checkpoint\(resume_from=...\)"),
     ("checkpoint_to", r"checkpoint=Checkpoint\(to=...\)"),
     ("checkpoint_every", r"checkpoint=Checkpoint\(every=...\)"),
+    ("snapshot_interval", r"checkpoint=Checkpoint\(snapshot_every=...\)"),
+    ("model_kwargs", r"build_model=functools.partial\(build_model, \*\*model_kwargs\)"),
 ])
 def test_train_refuses_the_old_keywords_naming_the_new_spelling(old, new):
     with pytest.raises(TypeError, match=rf"train\(\): {old}= is now {new}"):
@@ -1208,3 +1211,56 @@ def test_a_non_finite_rule_state_is_refused_naming_it():
                                                  r"step 0"):
         server.push("a", 0, {"w": np.array([1e20, 1.0], np.float32)}, version=version)
     assert_same_state(state_of(server), before)
+
+
+# ------------------------------------------------------------- train() on one screen
+
+
+def test_train_fits_one_screen_of_help():
+    import inspect
+    import math
+    import pydoc
+
+    assert len(inspect.signature(train).parameters) <= 15
+    text = pydoc.render_doc(train, renderer=pydoc.plaintext)
+    rows = sum(max(1, math.ceil(len(line) / 80)) for line in text.splitlines())
+    assert rows <= 40, rows
+
+
+def test_every_server_option_reaches_the_server_through_train():
+    import dataclasses
+    import functools
+
+    changed = dict(merge="sum", round_timeout=30.0, on_timeout="fail",
+                   compile_mode="FAST_COMPILE", check_finite=False, keep_log=True,
+                   profile=True, wait_timeout=60.0)
+    explicit = dict(mode="sync", model_average=dict(average_window_rate=0.5),
+                    ema=dict(decay=0.9))
+    fields = {f.name for f in dataclasses.fields(ServerOptions)}
+    # every field is either a keyword of train() itself or reachable as an option
+    assert fields == set(changed) | set(explicit) | {"staleness_scale"}
+    run = functools.partial(train, functools.partial(build_model, seed=1),
+                            [batches_for(1, [2, 2])], sgd, dict(learning_rate=0.1), **explicit)
+    for given in (dict(**changed), dict(options=changed),
+                  dict(options=ServerOptions(**changed, **explicit))):
+        if "options" in given and isinstance(given["options"], ServerOptions):
+            result = train(functools.partial(build_model, seed=1), [batches_for(1, [2, 2])],
+                           sgd, dict(learning_rate=0.1), **given)
+        else:
+            result = run(**given)
+        opts = result.server.options
+        for name, value in {**changed, **explicit}.items():
+            assert getattr(opts, name) == value, name
+    async_run = train(build_model, [batches_for(1, [2, 2])], sgd, dict(learning_rate=0.1),
+                      mode="async", staleness_scale=True, shards=[["W1", "b1", "W2", "b2"]])
+    assert async_run.server.options.staleness_scale is True
+    assert list(async_run.server.shard_names) == ["shard0"]
+    in_options = train(build_model, [batches_for(1, [2])], sgd, dict(learning_rate=0.1),
+                       options=dict(mode="async"))
+    assert in_options.server.options.mode == "async"
+    with pytest.raises(TypeError, match="ema given twice"):
+        train(build_model, [batches_for(1, [2])], sgd, dict(learning_rate=0.1),
+              ema=dict(decay=0.9), options=dict(ema=dict(decay=0.5)))
+    with pytest.raises(TypeError, match="given twice"):
+        train(build_model, [batches_for(1, [2])], sgd, dict(learning_rate=0.1),
+              options=dict(merge="sum"), merge="mean")

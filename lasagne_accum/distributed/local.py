@@ -42,7 +42,7 @@ def run_local(
     compile_mode: str | None = None,
     snapshot_interval: float | None = None,
     worker_ids: Sequence[str | int] | None = None,
-    checkpoint: Callable[[], Any] | None = None,
+    on_tick: Callable[[], Any] | None = None,
     tick: float = 0.1,
 ) -> tuple[list[dict[str, Any]], list[tuple[float, Any, dict[str, np.ndarray]]]]:
     """Run one thread per entry of `worker_batches` against `server`.
@@ -61,7 +61,7 @@ def run_local(
         server (for loss-versus-time curves).
     worker_ids : list, optional
         Default ``worker0``, ``worker1``...
-    checkpoint : callable, optional
+    on_tick : callable, optional
         Called every `tick` seconds while the workers run (the caller
         decides when to save).
 
@@ -111,18 +111,18 @@ def run_local(
             alive = [t for t in threads if t.is_alive()]
             if not alive:
                 break
-            if not snapshot_interval and checkpoint is None:
+            if not snapshot_interval and on_tick is None:
                 alive[0].join()
                 continue
-            wait = tick if checkpoint is not None else max(0.0, due - time.monotonic())
+            wait = tick if on_tick is not None else max(0.0, due - time.monotonic())
             if snapshot_interval:
                 wait = min(wait, max(0.0, due - time.monotonic()))
             alive[0].join(timeout=wait)
             if snapshot_interval and time.monotonic() >= due:
                 history.append(snapshot(server))
                 due += snapshot_interval
-            if checkpoint is not None:
-                checkpoint()
+            if on_tick is not None:
+                on_tick()
     finally:
         for t in threads:
             t.join()

@@ -135,11 +135,19 @@ class ServerOptions:
 
     @classmethod
     def of(cls, options=None, **kwargs):
-        """`options` (a :class:`ServerOptions` or None) with `kwargs` replaced."""
+        """`options` (a :class:`ServerOptions`, a dict of its fields or None) with `kwargs`
+        replaced."""
         if options is None:
             return cls(**kwargs)
+        if isinstance(options, Mapping):
+            twice = sorted(set(options) & set(kwargs))
+            if twice:
+                raise TypeError(f"{', '.join(twice)} given twice: in options= and as "
+                                "keywords")
+            return cls(**options, **kwargs)
         if not isinstance(options, cls):
-            raise TypeError(f"options must be a ServerOptions, got {type(options).__name__}")
+            raise TypeError("options must be a ServerOptions or a dict of its fields, got "
+                            f"{type(options).__name__}")
         return dataclasses.replace(options, **kwargs) if kwargs else options
 
 
@@ -208,17 +216,24 @@ class Checkpoint:
         lost shard process costs at most that much training. Needs `to`.
     resume_from : path or None
         Load the server's state from here before training.
+    snapshot_every : float or None
+        Keep ``(wall time, version, params)`` in memory every this many
+        seconds while training runs: ``TrainResult.history`` (loss-against-time
+        curves).
     """
 
     to: Any = None
     every: float | None = None
     resume_from: Any = None
+    snapshot_every: float | None = None
 
     def __post_init__(self):
         if self.every is not None:
             if self.to is None:
                 raise ValueError("Checkpoint(every=...) needs to= (the file to save to)")
             _check_seconds(self.every, "every", allow_none=False)
+        if self.snapshot_every is not None:
+            _check_seconds(self.snapshot_every, "snapshot_every", allow_none=False)
 
     @classmethod
     def of(cls, value):

@@ -47,7 +47,7 @@ def _trainer_addresses(client, server, n):
 
 
 def run_dask(server, client, build_model, worker_batches, *, accumulate=1, model_kwargs=None,
-             compile_mode=None, snapshot_interval=None, worker_ids=None, checkpoint=None,
+             compile_mode=None, snapshot_interval=None, worker_ids=None, on_tick=None,
              lost=None, tick=0.5):
     """Run one Dask task per entry of `worker_batches` against `server`.
 
@@ -58,7 +58,7 @@ def run_dask(server, client, build_model, worker_batches, *, accumulate=1, model
     A trainer whose process dies is reported in `lost` (a list this
     function appends ``{"worker", "address", "reason"}`` to) and unregistered,
     so sync rounds go on without it; the others finish (the processes are
-    checked every `tick` seconds). `checkpoint`, a callable, is called about
+    checked every `tick` seconds). `on_tick`, a callable, is called about
     every 0.1 s while training runs (the caller decides when to save).
     """
     distributed = require_distributed()
@@ -88,7 +88,7 @@ def run_dask(server, client, build_model, worker_batches, *, accumulate=1, model
             if not pending:
                 break
             wait = max(0.01, look - time.monotonic())
-            if checkpoint is not None:
+            if on_tick is not None:
                 wait = min(wait, 0.1)
             if snapshot_interval:
                 wait = min(wait, max(0.01, due - time.monotonic()))
@@ -102,8 +102,8 @@ def run_dask(server, client, build_model, worker_batches, *, accumulate=1, model
             if snapshot_interval and time.monotonic() >= due:
                 history.append((time.time(),) + server.pull())
                 due += snapshot_interval
-            if checkpoint is not None:
-                checkpoint()
+            if on_tick is not None:
+                on_tick()
         if snapshot_interval:
             history.append((time.time(),) + server.pull())
         reports, errors = [], []
