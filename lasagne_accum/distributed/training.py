@@ -151,7 +151,7 @@ def train(build_model: Callable[..., Any], worker_batches: Any, update_rule: Upd
           model_average: Mapping[str, Any] | None = None, ema: Mapping[str, Any] | None = None,
           server: Any = None, checkpoint: Any = None, dask: Any = None, options: Any = None,
           **option_kwargs: Any) -> TrainResult:
-    """Train with a parameter server and one trainer per batch list: a :class:`TrainResult`.
+    """Train with a parameter server, one trainer per batch list: a TrainResult.
 
     Parameters
     ----------
@@ -177,10 +177,10 @@ def train(build_model: Callable[..., Any], worker_batches: Any, update_rule: Upd
         Resume, save, and keep snapshots (``TrainResult.history``).
     dask : DaskOptions or dict, optional
         The cluster and where the shards live (Dask only).
-    options : ServerOptions or dict, optional; **option_kwargs
-        Every other server option (``round_timeout``, ``check_finite``...,
-        see :class:`ServerOptions`), and ``shards``: parameter names per
-        shard, as :class:`ParameterServer` takes them.
+    options : ServerOptions or dict, optional
+    **option_kwargs
+        Any :class:`ServerOptions` field (``check_finite``...), and ``shards``
+        (parameter names per shard, as :class:`ParameterServer` takes them).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be 'local' or 'dask', got {backend!r}")
