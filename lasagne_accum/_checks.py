@@ -1,6 +1,8 @@
 """Checks of what users pass in, shared by every module (private).
 
-One number checker (:func:`check_number`), and the checks of parameter lists
+Small number checks that each say one thing (:func:`check_real`,
+:func:`check_integer`, :func:`check_range`) and their compositions
+(:func:`check_number`, :func:`check_int`), and the checks of parameter lists
 (:func:`check_params`) and of what an update rule returned
 (:func:`check_rule_updates`). Each raises ``TypeError`` or ``ValueError`` at
 graph-build time with a message that names the argument and says what to do.
@@ -23,8 +25,9 @@ if TYPE_CHECKING:
 
     from ._typing import Params, UpdateRule, Updates
 
-__all__ = ["check_number", "check_int", "is_number", "check_params", "param_label",
-           "check_rule_updates", "rule_name", "FLOAT_DTYPES"]
+__all__ = ["check_real", "check_integer", "check_range", "check_number", "check_int",
+           "is_number", "check_params", "param_label", "check_rule_updates", "rule_name",
+           "FLOAT_DTYPES"]
 
 FLOAT_DTYPES = ("float16", "float32", "float64")
 INT64_MAX = int(np.iinfo(np.int64).max)
@@ -37,112 +40,79 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (numbers.Real, np.number)) and not isinstance(value, (bool, np.bool_))
 
 
-def check_number(
-    value: Any,
-    name: str,
-    *,
-    low: float | None = None,
-    high: float | None = None,
-    low_open: bool = False,
-    high_open: bool = False,
-    integer: bool = False,
-    integral_float: bool = False,
-    why: str = "",
-) -> Any:
-    """Return `value` as a Python float (or int), or raise naming `name`.
+def _scalar(value: Any) -> Any:
+    return value[()] if isinstance(value, np.ndarray) and value.ndim == 0 else value
 
-    Parameters
-    ----------
-    value : number
-        A Python or numpy number (or a 0-d array); bools are refused.
-    name : str
-        The argument's name for messages (``"lars(): trust_coefficient"``).
-    low, high : number, optional
-        Bounds, inclusive unless `low_open` / `high_open`.
-    integer : bool
-        Require an integer (a count); returns an int.
-    integral_float : bool
-        With `integer`, also accept a float with an integral value (``1e3``
-        steps).
-    why : str
-        Appended to a range error: what the bound is for.
 
-    Raises
-    ------
-    TypeError
-        If `value` is not a number (or not an integer when one is needed), or
-        is symbolic where a count fixes the graph.
-    ValueError
-        If a float is not finite, or the number lies outside the bounds.
+def check_real(value: Any, name: str) -> float:
+    """`value`, a finite real number (see :func:`is_number`), as a Python float."""
+    if not is_number(value):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    value = float(_scalar(value))
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def check_integer(value: Any, name: str, integral_float: bool = False) -> int:
+    """`value`, a Python or numpy integer (with `integral_float`, also a float with an
+    integral value: ``1e3`` steps), as a Python int."""
+    if not is_number(value):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
+    value = _scalar(value)
+    if isinstance(value, (numbers.Integral, np.integer)) or (
+            integral_float and float(value).is_integer()):
+        return int(value)
+    raise TypeError(f"{name} must be an integer, got {value!r}")
+
+
+def check_range(value: Any, name: str, low: float | None = None, high: float | None = None, *,
+                low_open: bool = False, high_open: bool = False, why: str = "") -> Any:
+    """`value` if it lies within the bounds (inclusive unless `low_open` / `high_open`);
+    `why`, appended to the message, says what a bound is for."""
+    reason = f": {why}" if why else ""
+    if low is not None and (value < low or (low_open and value == low)):
+        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}{reason}")
+    if high is not None and (value > high or (high_open and value == high)):
+        raise ValueError(f"{name} must be {'<' if high_open else '<='} {high}, got {value}"
+                         f"{reason}")
+    return value
+
+
+def check_number(value: Any, name: str, **bounds: Any) -> float:
+    """A finite number (:func:`check_real`) within `bounds` (:func:`check_range`'s).
 
     Examples
     --------
-    >>> check_number(3, "every", integer=True, low=1)
-    3
-    >>> check_number(0, "every", integer=True, low=1)
-    Traceback (most recent call last):
-    ...
-    ValueError: every must be an integer >= 1, got 0
     >>> check_number(0.0, "decay_steps", low=0, low_open=True)
     Traceback (most recent call last):
     ...
     ValueError: decay_steps must be > 0, got 0.0
     """
-    count = integer and not integral_float  # a count that fixes the graph (check_int)
-    if not is_number(value):
-        if count and hasattr(value, "type"):
-            raise TypeError(
-                f"{name} must be a Python integer, not a symbolic variable: the number of "
-                "batches per step fixes the structure of the update dictionary"
-            )
-        if count:
-            bound = f" >= {low}" if low is not None else ""
-            raise TypeError(f"{name} must be an integer{bound}, got {value!r}")
-        kind = "an integer" if integer else "a number"
-        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}")
-    if isinstance(value, np.ndarray):
-        value = value[()]
-    if integer:
-        if isinstance(value, (numbers.Integral, np.integer)):
-            value = int(value)
-        elif integral_float and float(value).is_integer():
-            value = int(value)
-        elif count:
-            bound = f" >= {low}" if low is not None else ""
-            raise TypeError(f"{name} must be an integer{bound}, got {value!r}")
-        else:
-            raise TypeError(f"{name} must be an integer (a number of steps), got {value!r}")
-    else:
-        value = float(value)
-        if not math.isfinite(value):
-            raise ValueError(f"{name} must be finite, got {value}")
-    what = "an integer " if count else ""
-    reason = f": {why}" if why else ""
-    if low is not None and (value < low or (low_open and value == low)):
-        raise ValueError(f"{name} must be {what}{'>' if low_open else '>='} {low}, "
-                         f"got {value}{reason}")
-    if high is not None and (value > high or (high_open and value == high)):
-        if integer and high == INT64_MAX:
-            raise ValueError(f"{name} must be at most {high} (the limit of the int64 counter "
-                             f"it is compared with), got {value}")
-        raise ValueError(f"{name} must be {what}{'<' if high_open else '<='} {high}, "
-                         f"got {value}{reason}")
-    return value
+    return check_range(check_real(value, name), name, **bounds)
 
 
-def check_int(value: Any, name: str, low: int = 1, high: int = INT64_MAX) -> int:
-    """An integer count in ``[low, high]`` (a bool, float or symbolic value is refused).
-
-    A count such as ``average=N`` fixes the structure of the graph, so it must
-    be known when the graph is built; the default upper bound is the limit of
-    the int64 counters it is compared with.
+def check_int(value: Any, name: str, low: int = 1) -> int:
+    """A count known when the graph is built (``average=N`` fixes its structure): an
+    integer from `low` to the limit of the int64 counters it is compared with.
 
     Examples
     --------
-    >>> check_int(3, "every")
-    3
+    >>> check_int(0, "every")
+    Traceback (most recent call last):
+    ...
+    ValueError: every must be an integer >= 1, got 0
     """
-    return check_number(value, name, integer=True, low=low, high=high)
+    if hasattr(value, "type"):
+        raise TypeError(f"{name} must be a Python integer, not a symbolic variable: the "
+                        "number of batches per step fixes the structure of the update dictionary")
+    value = check_integer(value, name)
+    if value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value}")
+    if value > INT64_MAX:
+        raise ValueError(f"{name} must be at most {INT64_MAX} (the limit of the int64 counter "
+                         f"it is compared with), got {value}")
+    return value
 
 
 def rule_name(rule: Callable[..., Any]) -> str:

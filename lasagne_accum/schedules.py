@@ -49,7 +49,7 @@ import numpy as np
 import pytensor.tensor as pt
 from pytensor.graph.basic import Variable
 
-from ._checks import check_number
+from ._checks import check_integer, check_number, check_range
 
 
 def _unit(unit: Any) -> str:
@@ -61,7 +61,7 @@ def _unit(unit: Any) -> str:
 
 def _steps(value: Any, name: str, **bounds: Any) -> int:
     """A number of steps (or examples): an integer, or a float with an integral value."""
-    return check_number(value, name, integer=True, integral_float=True, **bounds)
+    return check_range(check_integer(value, name, integral_float=True), name, **bounds)
 
 if TYPE_CHECKING:
     from pytensor.tensor.variable import TensorVariable

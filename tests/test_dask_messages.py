@@ -3,6 +3,9 @@
 * A request is data (names, numbers, numeric arrays of the shards' shapes);
   :func:`check_request` refuses anything else with an error that names the
   field.
+* A push is checked by the same functions on both sides of the wire: a
+  malformed push is refused by the caller's server and, sent as it is, by
+  the shard process, with the same message.
 * A request's and a reply's arrays travel as Dask's out-of-band frames: on
   the sending side each array's frame is a view of the array, on the
   receiving side each decoded array is a view of a buffer the socket filled.
@@ -14,6 +17,8 @@ import importlib.util
 import numpy as np
 import pytest
 
+from lasagne_accum import sgd
+from lasagne_accum.distributed import ParameterServer, PushRejected
 from lasagne_accum.distributed.dask.schema import BadRequest, check_request
 
 needs_dask = pytest.mark.skipif(importlib.util.find_spec("distributed") is None,
@@ -27,7 +32,7 @@ SPECS = {"w": {"w": ((2,), "float64")}, "v": {"v": ((), "float32"), "u": ((1,), 
     (["exec", []], "unknown request method"),
     (["call", ["__init__", [["w", []]]]], "unknown shard method"),
     (["call", ["pull", [[["w"], []]]]], "must be a str"),
-    (["call", ["pull", [["x", []]]]], "no shard 'x'"),
+    (["call", ["pull", [["x", []]]]], "unknown shard 'x'"),
     (["call", ["pull", []]], "is empty"),
     (["call", ["pull", [["w", [1]]]]], "takes 0 arguments"),
     (["call", ["register", [["w", [[1]]]]]], "worker id"),
@@ -63,6 +68,88 @@ def test_check_request_passes_what_the_server_sends_as_dask_decodes_it():
     assert check_request(pushed, SPECS) == ("push", pushed[1])
     called = ["call", ["register", [["w", [5]], ["v", ["b"]]]]]
     assert check_request(called, SPECS) == ("call", called[1])
+
+
+# ------------------------------------------------------------------ one push vocabulary
+
+ONE_PUSH = dict(worker_id="a", seq=1, weight=2.0, version=(0, 0), grads={
+    "w": np.ones((2, 3)), "b": np.ones(3, np.float32), "v": np.ones((), np.float32)})
+ALL_SHARDS = {"wb": ["w", "b"], "v": ["v"]}
+
+
+def _with(**changes):
+    grads = dict(ONE_PUSH["grads"], **changes.pop("grads", {}))
+    for name in changes.pop("drop", ()):
+        del grads[name]
+    return dict(ONE_PUSH, grads=grads, **changes)
+
+
+#: a push with one thing wrong, and the word the refusal must name it by
+MALFORMED = {
+    "wrong dtype": (_with(grads={"b": np.ones(3)}), "'b' has dtype float64"),
+    "integer gradient": (_with(grads={"w": np.ones((2, 3), np.int64)}), "dtype int64"),
+    "wrong shape": (_with(grads={"w": np.ones((3, 2))}), "'w' has the wrong shape"),
+    "array for a scalar": (_with(grads={"v": np.ones(1, np.float32)}), "'v' has the wrong"),
+    "not an array": (_with(grads={"w": [[1.0] * 3] * 2}), "'w' is a list, not a numpy"),
+    "NaN": (_with(grads={"w": np.full((2, 3), np.nan)}), "'w' has NaN or inf"),
+    "inf": (_with(grads={"b": np.array([0, np.inf, 0], np.float32)}), "'b' has NaN or inf"),
+    "missing array": (_with(drop=["b"]), "no gradient for 'b'"),
+    "negative weight": (_with(weight=-1.0), "weight must be > 0"),
+    "zero weight": (_with(weight=0), "weight must be > 0"),
+    "NaN weight": (_with(weight=float("nan")), "weight must be finite"),
+    "inf weight": (_with(weight=float("inf")), "weight must be finite"),
+    "text weight": (_with(weight="2"), "weight must be a number"),
+    "non-integer seq": (_with(seq=1.5), "seq must be an integer"),
+    "negative seq": (_with(seq=-1), "seq must be >= 0"),
+    "bool seq": (_with(seq=True), "seq must be an integer"),
+    "non-integer version": (_with(version=(0.5, 0)), "version must be an integer"),
+    "float worker id": (_with(worker_id=1.5), "worker id"),
+    "bool worker id": (_with(worker_id=True), "worker id"),
+    "unknown shard": (_with(shards=["nope"]), "unknown shard 'nope'"),
+    "shard name not a str": (_with(shards=[3]), "shard name must be a str"),
+}
+
+
+@pytest.fixture(scope="module")
+def caller():
+    params = {"w": np.zeros((2, 3)), "b": np.zeros(3, np.float32), "v": np.zeros((), np.float32)}
+    return ParameterServer(params, sgd, dict(learning_rate=0.1), shards=ALL_SHARDS, mode="async")
+
+
+def _on_the_wire(server, push):
+    """The push request the caller would send for `push`, each shard's gradients in its order."""
+    shards = push.get("shards") or list(server.plan)
+    calls = [[s, [push["worker_id"], push["seq"],
+                  [push["grads"].get(n) for n in server.plan.get(s, [])], push["weight"],
+                  push["version"][server.shard_names.index(s)] if s in server.plan else 0]]
+             for s in shards]
+    return ["push", [calls, False, True]]
+
+
+def _specs(server):
+    return {s: {n: server.specs[n] for n in names} for s, names in server.plan.items()}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_the_caller_and_the_shard_refuse_a_malformed_push_with_one_message(caller, case):
+    push, names = MALFORMED[case]
+    with pytest.raises(PushRejected) as here:
+        caller.push(**push)
+    with pytest.raises(BadRequest) as there:
+        check_request(_on_the_wire(caller, push), _specs(caller))
+    assert str(here.value) == str(there.value)
+    assert names in str(here.value)
+
+
+def test_the_shard_reads_a_short_gradient_list_as_missing_ones_and_passes_a_good_push(caller):
+    request = _on_the_wire(caller, ONE_PUSH)
+    request[1][0][0][1][2] = request[1][0][0][1][2][:1]         # shard 'wb' without 'b'
+    with pytest.raises(BadRequest, match=r"^shard 'wb': no gradient for 'b' \(2 parameters, 1 "):
+        check_request(request, _specs(caller))
+    method, args = check_request(_on_the_wire(caller, ONE_PUSH), _specs(caller))
+    assert method == "push" and [name for name, _ in args[0]] == ["wb", "v"]
+    nan = _on_the_wire(caller, _with(grads={"w": np.full((2, 3), np.nan)}))
+    check_request(nan, _specs(caller), finite=False)        # the shards' check_finite=False
 
 
 def _received(frames):

@@ -135,6 +135,20 @@ def test_calls_are_timed_only_with_the_profile_option(client, server):
         profiled.close()
 
 
+def test_a_scalar_parameter_is_pushed_and_pulled_as_a_scalar(client):
+    from lasagne_accum.distributed.dask import DaskParameterServer
+
+    server = DaskParameterServer(client, {"s": np.zeros(()), "w": np.zeros(2)}, sgd,
+                                 dict(learning_rate=0.5), mode="async", compile_mode="CVM")
+    try:
+        version, _ = server.register("a")
+        r = server.push("a", 0, {"s": np.float64(1.0), "w": np.ones(2)}, version=version,
+                        pull=True)
+        assert r["params"]["s"].shape == () and r["params"]["s"] == -0.5
+    finally:
+        server.close()
+
+
 def test_cross_process_push_is_all_or_nothing(client, server):
     server.register("a")
     g = {"w": np.ones(3), "b": np.ones(1)}

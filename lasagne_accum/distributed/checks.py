@@ -1,10 +1,14 @@
 """The parameter server's input checks: parameters, shard plans, pushes, learning rates.
 
+A push is checked field by field by the functions here, on the caller's side
+and, across the wire, in the shard process
+(:mod:`~lasagne_accum.distributed.dask.schema`): one refusal, one message,
+on both sides; each raises :class:`~lasagne_accum.distributed.PushRejected`.
 Everything here is plain Python and numpy: no PyTensor graph is built.
 """
 
+import contextlib
 import inspect
-import math
 import numbers
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -13,10 +17,8 @@ import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Variable
 
+from .._checks import FLOAT_DTYPES, check_integer, check_number, check_range, check_real
 from .errors import PushRejected
-from .options import _number
-
-_FLOAT_DTYPES = ("float16", "float32", "float64")
 
 
 # ------------------------------------------------------------------ params and shards
@@ -50,7 +52,7 @@ def named_params(params):
         if not isinstance(value, SharedVariable):
             value = np.array(value, copy=True)
         dtype = str(value.type.dtype if isinstance(value, SharedVariable) else value.dtype)
-        if dtype not in _FLOAT_DTYPES:
+        if dtype not in FLOAT_DTYPES:
             raise TypeError(f"parameter {name!r} has dtype {dtype}; only float16/32/64 "
                             "parameters can be trained")
         out[name] = value
@@ -118,66 +120,113 @@ def plan_shards(names, shards):
 # ------------------------------------------------------------------ pushes
 
 
-def _describe(x):
-    return type(x).__name__ if not hasattr(x, "dtype") else f"{x.dtype} array"
+@contextlib.contextmanager
+def _refusing(what, where=""):
+    """A check's TypeError or ValueError as a PushRejected that says what the field is."""
+    try:
+        yield
+    except (TypeError, ValueError) as exc:
+        raise PushRejected(f"{where}{exc} ({what})") from None
+
+
+def check_worker_id(worker_id):
+    """A worker id: a str or an int."""
+    if isinstance(worker_id, (bool, np.bool_)) or not isinstance(worker_id,
+                                                                  (str, numbers.Integral)):
+        raise PushRejected(f"a worker id must be a str or an int, got {type(worker_id).__name__}")
+    return worker_id
+
+
+def check_shard_name(name, shards):
+    """`name`, one of `shards`."""
+    if not isinstance(name, str):
+        raise PushRejected(f"a shard name must be a str, got {type(name).__name__}")
+    if name not in shards:
+        raise PushRejected(f"unknown shard {name[:100]!r} (shards: {', '.join(shards)})")
+    return name
+
+
+def check_seq(seq):
+    with _refusing("the worker's push counter"):
+        return check_range(check_integer(seq, "seq"), "seq", low=0)
+
+
+def check_weight(weight):
+    with _refusing("the examples behind the gradient"):
+        return check_range(check_real(weight, "weight"), "weight", low=0, low_open=True)
+
+
+def check_version(version, where):
+    """An integer; the shard says whether that version exists."""
+    with _refusing("the shard version the gradient was computed from, from pull()", where + ": "):
+        return check_integer(version, "version")
+
+
+def check_names(grads, names, where=""):
+    """`grads`, a dict whose keys are among `names`."""
+    if not isinstance(grads, Mapping):
+        raise PushRejected(f"{where}grads must be a dict {{parameter name: array}}, got "
+                           f"{type(grads).__name__}")
+    unknown = [k for k in grads if k not in names]
+    if unknown:
+        raise PushRejected(f"{where}unknown parameter name(s) {', '.join(map(repr, unknown))} "
+                           f"(parameters: {', '.join(names)})")
+    return grads
+
+
+def check_gradient(g, name, spec, where, finite=True):
+    """A numpy array of its parameter's ``(shape, dtype)`` `spec`, finite with `finite`."""
+    if not isinstance(g, (np.ndarray, np.generic)):
+        raise PushRejected(f"{where}: the gradient of {name!r} is a {type(g).__name__}, not a "
+                           "numpy array")
+    shape, dtype = spec
+    if str(g.dtype) != dtype or g.shape != tuple(shape):
+        wrong = f"dtype {g.dtype}" if str(g.dtype) != dtype else "the wrong shape"
+        cast = f" (cast it with .astype({dtype!r}))" if str(g.dtype) != dtype else ""
+        raise PushRejected(f"{where}: the gradient of {name!r} has {wrong}: it must be a {dtype}"
+                           f"{list(shape)} array, got a {g.dtype}{list(g.shape)} array{cast}")
+    if finite and not np.isfinite(g).all():
+        raise PushRejected(f"{where}: the gradient of {name!r} has NaN or inf values")
+    return g
+
+
+def check_arrays(arrays, specs, where, finite=True):
+    """A shard's gradients as the wire has them: a list in the order of its ``{name: (shape,
+    dtype)}`` `specs` (None, or the end of a short list, is a missing one)."""
+    if not isinstance(arrays, (list, tuple)):
+        raise PushRejected(f"{where}: the gradients must be a list, got {type(arrays).__name__}")
+    if len(arrays) > len(specs):
+        raise PushRejected(f"{where}: {len(arrays)} gradients for {len(specs)} parameters")
+    missing = [n for i, n in enumerate(specs) if i >= len(arrays) or arrays[i] is None]
+    if missing:
+        raise PushRejected(f"{where}: no gradient for {', '.join(map(repr, missing))} "
+                           f"({len(specs)} parameter{'s' * (len(specs) > 1)}, "
+                           f"{len(specs) - len(missing)} given)")
+    return [check_gradient(g, n, spec, where, finite)
+            for g, (n, spec) in zip(arrays, specs.items())]
 
 
 def check_grads(grads, specs, where, check_finite=True, copy=True):
-    """Validate ``{name: array}`` against ``{name: (shape, dtype)}``; the arrays in spec order.
+    """:func:`check_arrays` of ``{name: array}`` (a number is a 0-d array), in spec order.
 
     With `copy` (the default) each is a copy, the only one on the way in;
     without, a C-contiguous array (the caller's own where it is one), for a
     server that sends the push away at once.
     """
-    if not isinstance(grads, Mapping):
-        raise PushRejected(f"{where}: grads must be a dict {{parameter name: array}}, got "
-                           f"{type(grads).__name__}")
-    unknown = [k for k in grads if k not in specs]
-    if unknown:
-        raise PushRejected(f"{where}: unknown parameter name(s) {', '.join(map(repr, unknown))} "
-                           f"(expected: {', '.join(specs)})")
-    missing = [k for k in specs if k not in grads]
-    if missing:
-        raise PushRejected(f"{where}: no gradient for {', '.join(map(repr, missing))}")
-    out = []
-    for name, (shape, dtype) in specs.items():
-        g = grads[name]
-        if not isinstance(g, (np.ndarray, np.number, numbers.Real)) or isinstance(g, bool):
-            raise PushRejected(f"{where}: gradient for {name!r} is a {_describe(g)}, "
-                               "not a numpy array")
-        g = np.asarray(g)
-        if str(g.dtype) != dtype:
-            raise PushRejected(f"{where}: gradient for {name!r} has dtype {g.dtype}, the "
-                               f"parameter {dtype} (cast it with .astype({dtype!r}))")
-        if g.shape != shape:
-            raise PushRejected(f"{where}: gradient for {name!r} has shape {g.shape}, the "
-                               f"parameter {shape}")
-        if check_finite and not np.all(np.isfinite(g)):
-            raise PushRejected(f"{where}: gradient for {name!r} has NaN or inf values")
-        out.append(np.array(g, copy=True) if copy else np.ascontiguousarray(g))
-    return out
+    check_names(grads, specs, where + ": ")
+    arrays = [grads.get(n) for n in specs]
+    arrays = check_arrays([np.asarray(g) if isinstance(g, numbers.Real) and not isinstance(
+        g, bool) else g for g in arrays], specs, where, check_finite)
+    if copy:
+        return [np.array(g) for g in arrays]
+    # (np.ascontiguousarray would make a 0-d array 1-d)
+    return [np.asarray(g) if g.flags.c_contiguous else np.array(g, order="C") for g in arrays]
 
 
-def check_seq(seq):
-    return _number(seq, "seq", "the worker's push counter", PushRejected, integer=True, low=0)
-
-
-def check_weight(weight):
-    return _number(weight, "weight", "the examples behind the gradient, a finite number",
-                   PushRejected, low=0, low_open=True)
-
-
-def check_worker_id(worker_id):
-    if not isinstance(worker_id, (str, numbers.Integral)) or isinstance(worker_id, bool):
-        raise PushRejected(f"worker ids must be strings or integers, got {worker_id!r}")
-    return worker_id
-
-
-def check_version(version, where):
-    if isinstance(version, bool) or not isinstance(version, numbers.Integral):
-        raise PushRejected(f"{where}: version must be the integer shard version the gradient "
-                           f"was computed from (from pull()), got {version!r}")
-    return int(version)
+def aligned(a):
+    """`a`, copied if it is an unaligned numpy array (a view of a Dask message may be one;
+    PyTensor's C code refuses those)."""
+    return np.array(a) if isinstance(a, np.ndarray) and not a.flags.aligned else a
 
 
 # ------------------------------------------------------------------ the rule
@@ -206,9 +255,6 @@ def learning_rate_kind(update_rule, rule_kwargs):
         raise TypeError("learning_rate must be a number, a symbolic scalar or a schedule "
                         "(a callable of the symbolic step, see lasagne_accum.schedules), "
                         f"got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"learning_rate must be a finite number >= 0, got {value}")
-    return "number", value
+    return "number", check_number(value, "learning_rate", low=0)
 
 

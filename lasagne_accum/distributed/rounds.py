@@ -19,7 +19,7 @@ from collections import OrderedDict
 import numpy as np
 
 from .errors import NonFiniteStepError, PushRejected, RoundFailedError, RoundTimeoutError, \
-    StalePushError, UnknownWorkerError
+    ServerTimeoutError, StalePushError, UnknownWorkerError
 from .reduction import reduce_grads
 
 __all__ = ["Rounds", "Seen", "Step", "Staged", "settle"]
@@ -436,6 +436,13 @@ class Rounds:
     def missing(self):
         """Live workers the open round still waits for."""
         return [w for w in self.live if w not in self.pending]
+
+    def wait_timed_out(self, round_id, waited):
+        """The error of a wait of `waited` seconds for sync round `round_id` to close."""
+        return ServerTimeoutError(
+            f"{self.where}: waited {waited:g} s for sync round {round_id} to close; it still "
+            f"waits for pushes from {', '.join(map(repr, self.missing())) or 'nobody'} (set "
+            "round_timeout= to drop workers that stop pushing)")
 
     # ------------------------------------------------------------ stats, state
 

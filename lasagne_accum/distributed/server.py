@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..checkpoint import read_arrays, save_arrays
-from .checks import check_grads, check_seq, check_version, check_weight, check_worker_id, \
-    named_params, param_specs, plan_shards
+from .checks import check_grads, check_names, check_seq, check_shard_name, check_version, \
+    check_weight, check_worker_id, named_params, param_specs, plan_shards
 from .errors import PushRejected, ServerClosedError
 from .options import ServerOptions
 from .shard import Shard, push_atomic, unregister_atomic
@@ -75,12 +75,8 @@ class BaseServer:
             return self._all()
         if isinstance(shards, str):
             shards = [shards]
-        out = []
-        for s in shards:
-            if s not in self.plan:
-                raise PushRejected(f"unknown shard {s!r} (shards: {', '.join(self.shard_names)})")
-            out.append(self.shard_names.index(s))
-        return sorted(set(out))
+        return sorted({self.shard_names.index(check_shard_name(s, self.shard_names))
+                       for s in shards})
 
     def register(
         self,
@@ -137,13 +133,7 @@ class BaseServer:
         if not isinstance(version, (tuple, list)) or len(version) != len(self.plan):
             raise PushRejected(f"version must be the tuple of {len(self.plan)} shard versions "
                                f"returned by pull() or register(), got {version!r}")
-        if not isinstance(grads, Mapping):
-            raise PushRejected(f"grads must be a dict {{parameter name: array}}, got "
-                               f"{type(grads).__name__}")
-        unknown = [k for k in grads if k not in self._shard_of]
-        if unknown:
-            raise PushRejected(f"unknown parameter name(s) {', '.join(map(repr, unknown))} "
-                               f"(parameters: {', '.join(self.names)})")
+        check_names(grads, self.names)
         outside = [k for k in grads if self._shard_of[k] not in idx]
         if outside:
             raise PushRejected(f"gradient for {', '.join(map(repr, outside))} whose shard "
@@ -154,8 +144,7 @@ class BaseServer:
             where = f"shard {self.shard_names[i]!r}"
             arrays = check_grads({n: grads[n] for n in specs if n in grads}, specs, where,
                                  self.options.check_finite, copy=self._copy_grads)
-            calls.append((worker_id, seq, arrays, weight,
-                          check_version(version[i], f"{where} (version[{i}])")))
+            calls.append((worker_id, seq, arrays, weight, check_version(version[i], where)))
         return idx, calls
 
     def push(

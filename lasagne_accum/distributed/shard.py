@@ -32,9 +32,9 @@ from ..model_average import ExponentialMovingAverage, ModelAverage
 from .._checks import check_rule_updates, rule_name
 from ..training import warm_up_calls
 from . import reduction
-from .checks import check_grads, check_seq, check_version, check_weight, check_worker_id, \
-    learning_rate_kind, named_params, param_specs
-from .errors import PushRejected, ServerTimeoutError
+from .checks import aligned, check_grads, check_seq, check_version, check_weight, \
+    check_worker_id, learning_rate_kind, named_params, param_specs
+from .errors import PushRejected
 from .options import ServerOptions
 from .compiling import compile_function
 from .rounds import Rounds, Step, settle
@@ -140,9 +140,7 @@ class ApplyFunction:
         ``step.bad`` names the first value that is not finite; without, the
         step is written in place now (``step.taken``).
         """
-        # arrays that crossed a process boundary may be unaligned views of the message,
-        # which PyTensor's C code refuses: only those are copied
-        out = self._fn(*[a if a.flags.aligned else np.array(a) for a in arrays], factor)
+        out = self._fn(*map(aligned, arrays), factor)
         if not self.check_finite:
             return Step()
         for i, var in self._checked:
@@ -389,11 +387,7 @@ class Shard:
                 if timeout == 0:
                     return None
                 if left <= 0:
-                    raise ServerTimeoutError(
-                        f"shard {self.name!r}: waited {wait_for:g} s for sync round {round_id} "
-                        f"to close; it still waits for pushes from "
-                        f"{', '.join(map(repr, self.book.missing())) or 'nobody'} (set "
-                        "round_timeout= to drop workers that stop pushing)")
+                    raise self.book.wait_timed_out(round_id, wait_for)
                 deadline = self.book.deadline()
                 self._cond.wait(max(1e-4, left if deadline is None else min(left, deadline)))
         finally:

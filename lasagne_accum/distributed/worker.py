@@ -14,7 +14,7 @@ from ..accumulate import accumulate_gradients
 from ..batch_norm import batch_norm_layers
 from ..training import AccumulationTrainer
 from .._checks import check_int
-from .checks import check_worker_id, param_specs
+from .checks import aligned, check_worker_id, param_specs
 from .compiling import compile_function
 
 if TYPE_CHECKING:
@@ -56,13 +56,6 @@ def raise_worker_errors(ids, errors):
     for wid, exc in zip(ids, errors):
         if exc is not None:
             raise RuntimeError(f"worker {wid!r} failed: {type(exc).__name__}: {exc}") from exc
-
-
-def _aligned(a):
-    """`a`, copied if it is an unaligned array (Dask's transfers make those; C code refuses them)."""
-    if isinstance(a, np.ndarray) and not a.flags.aligned:
-        return np.array(a, copy=True)
-    return a
 
 
 class Worker:
@@ -131,7 +124,7 @@ class Worker:
         # a server's reply is this worker's own (fresh arrays, or views of the message it
         # received): kept as it is where it is writeable, copied where it is not
         for n, v in values.items():
-            v = _aligned(v)
+            v = aligned(v)
             borrow = isinstance(v, np.ndarray) and v.flags.writeable and v.flags.c_contiguous
             self.params[n].set_value(v, borrow=borrow)
 
@@ -172,7 +165,7 @@ class Worker:
             else:
                 self.version, values = self.server.pull()
             self._set(values)
-            batches = (tuple(_aligned(a) for a in batch) for batch in batches)
+            batches = (tuple(map(aligned, batch)) for batch in batches)
             first = next(batches, None)
             if first is not None:       # JIT backends compile on the first call: not timed
                 self._step(*first)

@@ -61,7 +61,7 @@ async def serve(worker, key, request, profile=False):
         if actor is None:
             raise Gone(f"no shards under that key on {worker.address} (released, or the "
                        "process was restarted)")
-        method, args = check_request(request, actor.specs)
+        method, args = check_request(request, actor.specs, actor.options.check_finite)
         del request
         out = (True, await actor.serve(method, args, timing))
     except Exception as exc:
@@ -247,11 +247,7 @@ class ShardActor:
                 return result
             left = end - time.monotonic()
             if left <= 0:
-                raise ServerTimeoutError(
-                    f"shard {name!r}: waited {wait_for:g} s for sync round {round_id} to "
-                    f"close; it still waits for pushes from "
-                    f"{', '.join(map(repr, shard.book.missing())) or 'nobody'} (set "
-                    "round_timeout= to drop workers that stop pushing)")
+                raise shard.book.wait_timed_out(round_id, wait_for)
             deadline = shard.book.deadline()
             step = left if deadline is None else min(left, deadline + 1e-3)
             try:

@@ -6,13 +6,17 @@ request this library sends. A request is data: ``[method, arguments]`` made
 of lists (or tuples), dicts with ``str`` keys, ``str``, ``int``, ``float``,
 ``bool``, ``None`` and numeric numpy arrays; :func:`check_request` names the
 first field that is anything else, then checks the request's shape (method
-from a fixed set, shard names that are known, worker ids that are ``str`` or
-``int``, gradients of the shard's shapes and dtypes).
+from a fixed set, argument counts) and a push's fields with the caller's own
+checks (:mod:`lasagne_accum.distributed.checks`: shard names, worker ids,
+sequence numbers, weights, versions, gradients), which give the same
+message on both sides of the wire.
 """
 
-import math
-
 import numpy as np
+
+from ..checks import check_arrays, check_seq, check_shard_name, check_version, check_weight, \
+    check_worker_id
+from ..errors import PushRejected
 
 __all__ = ["BadRequest", "check_request", "METHODS", "SHARD_METHODS"]
 
@@ -62,31 +66,6 @@ def _sequence(x, what):
     return x
 
 
-def _worker_id(x):
-    if type(x) in (str, int):
-        return x
-    raise BadRequest(f"a worker id must be a str or an int, not {type(x).__name__}")
-
-
-def _integer(x, what):
-    if type(x) is int:
-        return x
-    raise BadRequest(f"{what} must be an int, not {type(x).__name__}")
-
-
-def _gradients(x, specs, name):
-    arrays = _sequence(x, f"the gradients of shard {name!r}")
-    if len(arrays) != len(specs):
-        raise BadRequest(f"shard {name!r} has {len(specs)} parameters, the push "
-                         f"{len(arrays)} gradients")
-    for a, (param, (shape, dtype)) in zip(arrays, specs.items()):
-        if type(a) is not np.ndarray or a.shape != tuple(shape) or str(a.dtype) != dtype:
-            got = (f"a {a.dtype}{list(a.shape)} array" if type(a) is np.ndarray
-                   else f"a {type(a).__name__}")
-            raise BadRequest(f"shard {name!r}: the gradient of {param!r} must be a {dtype}"
-                             f"{list(shape)} array, got {got}")
-
-
 def _shard_calls(calls, specs, what):
     """``[(name, args)]`` with known, distinct shard names (str) and list arguments."""
     calls = _sequence(calls, what)
@@ -97,10 +76,7 @@ def _shard_calls(calls, specs, what):
         if type(call) not in (list, tuple) or len(call) != 2:
             raise BadRequest(f"each entry of {what} must be a [shard name, arguments] pair")
         name, args = call
-        if type(name) is not str:
-            raise BadRequest(f"a shard name must be a str, not {type(name).__name__}")
-        if name not in specs:
-            raise BadRequest(f"no shard {name[:100]!r} in this process")
+        check_shard_name(name, specs)
         if name in seen:
             raise BadRequest(f"shard {name!r} appears twice in one request")
         seen.add(name)
@@ -108,23 +84,27 @@ def _shard_calls(calls, specs, what):
     return calls
 
 
-def _push_args(args, specs, name, with_arrays):
+def _push_args(args, specs, name, with_arrays, finite):
+    """A push's (or a check's) values for shard `name`, checked as the caller checks them."""
     if len(args) != 5:
         raise BadRequest(f"a push to shard {name!r} takes 5 values, got {len(args)}")
     wid, seq, arrays, weight, version = args
-    _worker_id(wid)
-    _integer(seq, "seq")
-    _integer(version, "version")
-    if with_arrays:
-        _gradients(arrays, specs[name], name)
-        if type(weight) not in (int, float) or not math.isfinite(weight) or weight <= 0:
-            raise BadRequest("a push's weight must be a finite number > 0")
-    elif arrays is not None or weight is not None:
-        raise BadRequest("a check carries no gradients")
+    where = f"shard {name!r}"
+    wid, seq = check_worker_id(wid), check_seq(seq)
+    if not with_arrays:
+        if arrays is not None or weight is not None:
+            raise BadRequest("a check carries no gradients")
+        return wid, seq, None, None, check_version(version, where)
+    weight = check_weight(weight)
+    arrays = tuple(check_arrays(arrays, specs[name], where, finite))
+    return wid, seq, arrays, weight, check_version(version, where)
 
 
-def check_request(request, specs):
+def check_request(request, specs, finite=True):
     """``(method, args)`` of a decoded request, once its contents and shape are checked.
+
+    A push's (and a check's) values are those the checks of
+    :mod:`lasagne_accum.distributed.checks` return (a weight as a float...).
 
     Parameters
     ----------
@@ -133,13 +113,23 @@ def check_request(request, specs):
     specs : dict
         ``{shard name: {param name: (shape, dtype)}}`` of the shards this
         process holds under the request's key.
+    finite : bool
+        Refuse gradients with NaN or inf values (the shards' ``check_finite``).
 
     Raises
     ------
     BadRequest
         The request is not one this library sends; the message names the
-        field that is wrong without quoting the request.
+        field that is wrong without quoting the request (a push's field with
+        the message the caller's check gives).
     """
+    try:
+        return _checked(request, specs, finite)
+    except PushRejected as exc:
+        raise BadRequest(str(exc)) from None
+
+
+def _checked(request, specs, finite):
     _data(request, "request")
     if type(request) not in (list, tuple) or len(request) != 2:
         raise BadRequest("a request must be a [method, arguments] pair")
@@ -157,15 +147,17 @@ def check_request(request, specs):
                 raise BadRequest(f"{shard_method}() takes {SHARD_METHODS[shard_method]} "
                                  f"arguments, got {len(call_args)}")
             if shard_method in ("register", "next_seq", "unregister"):
-                _worker_id(call_args[0])
+                check_worker_id(call_args[0])
             elif shard_method == "load":
                 state = call_args[0]
                 if type(state) is not dict or not all(type(v) is np.ndarray
                                                       for v in state.values()):
                     raise BadRequest("load() takes a dict {name: numpy array}")
     elif method in ("check", "push"):
-        for name, call_args in _shard_calls(args[0], specs, f"a {method}'s shard list"):
-            _push_args(call_args, specs, name, with_arrays=method == "push")
+        calls = tuple((name, _push_args(call_args, specs, name, method == "push", finite))
+                      for name, call_args in _shard_calls(args[0], specs,
+                                                          f"a {method}'s shard list"))
         if method == "push" and not all(type(flag) is bool for flag in args[1:]):
             raise BadRequest("a push's pull and wait flags must be bools")
+        args = (calls,) + tuple(args[1:])
     return method, args

@@ -86,8 +86,9 @@ if hasattr(os, "register_at_fork"):
 def outgoing(x):
     """A request as a Dask message holds it: arrays as out-of-band frames (not copied when
     contiguous), numpy scalars as Python numbers, tuples as lists."""
-    if isinstance(x, np.ndarray):
-        return require_distributed().protocol.Serialize(np.ascontiguousarray(x))
+    if isinstance(x, np.ndarray):      # (np.ascontiguousarray would make a 0-d array 1-d)
+        return require_distributed().protocol.Serialize(
+            x if x.flags.c_contiguous else np.ascontiguousarray(x))
     if isinstance(x, (list, tuple)):
         return [outgoing(v) for v in x]
     if isinstance(x, dict):
