@@ -37,7 +37,16 @@ def is_number(value: Any) -> bool:
     """A Python or numpy real number (or a 0-d numpy array of one), not a bool."""
     if isinstance(value, np.ndarray) and value.ndim == 0:
         value = value[()]
-    return isinstance(value, (numbers.Real, np.number)) and not isinstance(value, (bool, np.bool_))
+    return isinstance(value, (numbers.Real, np.integer, np.floating)) and not isinstance(
+        value, (bool, np.bool_))
+
+
+def shown(value: Any) -> str:
+    """`value` for a message: an integer of more than 30 digits by its size, not its digits
+    (Python refuses to print one of over 4,300)."""
+    if isinstance(value, (numbers.Integral, np.integer)) and abs(int(value)) >= 10 ** 30:
+        return f"an integer of {int(value).bit_length()} bits"
+    return str(value)
 
 
 def _scalar(value: Any) -> Any:
@@ -48,7 +57,10 @@ def check_real(value: Any, name: str) -> float:
     """`value`, a finite real number (see :func:`is_number`), as a Python float."""
     if not is_number(value):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    value = float(_scalar(value))
+    try:
+        value = float(_scalar(value))
+    except OverflowError:       # an integer beyond any float
+        raise ValueError(f"{name} must be finite, got {shown(_scalar(value))}") from None
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return value
@@ -72,10 +84,11 @@ def check_range(value: Any, name: str, low: float | None = None, high: float | N
     `why`, appended to the message, says what a bound is for."""
     reason = f": {why}" if why else ""
     if low is not None and (value < low or (low_open and value == low)):
-        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}{reason}")
+        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got "
+                         f"{shown(value)}{reason}")
     if high is not None and (value > high or (high_open and value == high)):
-        raise ValueError(f"{name} must be {'<' if high_open else '<='} {high}, got {value}"
-                         f"{reason}")
+        raise ValueError(f"{name} must be {'<' if high_open else '<='} {high}, got "
+                         f"{shown(value)}{reason}")
     return value
 
 

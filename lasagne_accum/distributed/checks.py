@@ -17,7 +17,7 @@ import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Variable
 
-from .._checks import FLOAT_DTYPES, check_integer, check_number, check_range, check_real
+from .._checks import FLOAT_DTYPES, check_integer, check_number, check_range, check_real, shown
 from .errors import PushRejected
 
 
@@ -129,11 +129,18 @@ def _refusing(what, where=""):
         raise PushRejected(f"{where}{exc} ({what})") from None
 
 
+#: The largest counter a push carries (seq, version, an int worker id): the int64 the
+#: shards keep them in.
+INT64_MAX = int(np.iinfo(np.int64).max)
+
+
 def check_worker_id(worker_id):
-    """A worker id: a str or an int."""
+    """A worker id: a str or an int that fits an int64."""
     if isinstance(worker_id, (bool, np.bool_)) or not isinstance(worker_id,
                                                                   (str, numbers.Integral)):
         raise PushRejected(f"a worker id must be a str or an int, got {type(worker_id).__name__}")
+    if isinstance(worker_id, numbers.Integral) and abs(int(worker_id)) > INT64_MAX:
+        raise PushRejected(f"a worker id must fit an int64, got {shown(worker_id)}")
     return worker_id
 
 
@@ -148,7 +155,7 @@ def check_shard_name(name, shards):
 
 def check_seq(seq):
     with _refusing("the worker's push counter"):
-        return check_range(check_integer(seq, "seq"), "seq", low=0)
+        return check_range(check_integer(seq, "seq"), "seq", low=0, high=INT64_MAX)
 
 
 def check_weight(weight):
@@ -159,7 +166,8 @@ def check_weight(weight):
 def check_version(version, where):
     """An integer; the shard says whether that version exists."""
     with _refusing("the shard version the gradient was computed from, from pull()", where + ": "):
-        return check_integer(version, "version")
+        return check_range(check_integer(version, "version"), "version", low=-INT64_MAX,
+                           high=INT64_MAX)
 
 
 def check_names(grads, names, where=""):

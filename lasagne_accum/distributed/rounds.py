@@ -20,11 +20,14 @@ import numpy as np
 
 from .errors import NonFiniteStepError, PushRejected, RoundFailedError, RoundTimeoutError, \
     ServerTimeoutError, StalePushError, UnknownWorkerError
+from .checks import INT64_MAX, check_worker_id
 from .reduction import reduce_grads
 
 __all__ = ["Rounds", "Seen", "Step", "Staged", "settle"]
 
 KEEP_RESULTS = 256          # sync round results kept for late waiters
+MAX_SEQ = INT64_MAX         # the largest seq a record of applied pushes holds
+MAX_SEEN_BYTES = 1 << 26    # the largest such record (JSON text) a checkpoint may hold
 
 
 class Seen:
@@ -467,11 +470,22 @@ class Rounds:
     @staticmethod
     def parse_seen(array, where):
         """``{worker id: Seen}`` from :meth:`counters`' second array; ValueError if malformed."""
+        def seqs(values):   # counters, as the shard keeps them: int64
+            if not all(type(v) is int and -1 <= v <= MAX_SEQ for v in values):
+                raise ValueError("a seq is not an integer from -1 to 2**63 - 1")
+            return values
+
         try:
-            data = json.loads(np.asarray(array, np.uint8).tobytes().decode("utf-8"))
-            return {w: Seen(floor, above)
+            array = np.asarray(array)
+            # the size a header declares is checked before a byte is read
+            if array.dtype != np.uint8 or array.ndim != 1 or array.size > MAX_SEEN_BYTES:
+                raise ValueError(f"expected at most {MAX_SEEN_BYTES} bytes of JSON text (a "
+                                 f"1-d uint8 array), got {array.dtype}{list(array.shape)}")
+            data = json.loads(array.tobytes().decode("utf-8"))
+            return {check_worker_id(w): Seen(*seqs([floor]), seqs(list(above)))
                     for w, floor, above in data["seen"]}
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, OverflowError,
+                PushRejected) as exc:
             raise ValueError(f"{where}: the record of applied pushes is malformed: {exc}") \
                 from None
 

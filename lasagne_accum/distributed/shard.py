@@ -456,6 +456,9 @@ class Shard:
                     if a.dtype != cur.dtype or a.shape != cur.shape:
                         problems.append(f"{n}: {a.dtype}{list(a.shape)} in the checkpoint, "
                                         f"{cur.dtype}{list(cur.shape)} here")
+                    elif self.options.check_finite and a.dtype.kind in "fc" and \
+                            not np.isfinite(a).all():
+                        problems.append(f"{n}: holds NaN or inf (check_finite)")
             counters = np.asarray(arrays.get(counters_name, np.zeros(2, np.int64)))
             if counters.shape != (2,) or counters.dtype != np.int64:
                 problems.append(f"{counters_name}: expected 2 int64 values")
