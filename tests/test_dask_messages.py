@@ -186,10 +186,10 @@ def test_a_push_and_its_reply_are_copied_only_by_the_socket():
         np.testing.assert_array_equal(got, sent)
 
     params = {"a": grads[0] * 2, "b": grads[1] + 1}    # the shard's reply: pulled params
-    frames = dumps(ToPickle((True, [{"version": 8, "params": params}], 0.0, 0.0)))
+    frames = dumps(ToPickle(((True, [{"version": 8, "params": params}]), 0.0, 0.0)))
     assert _copies(params.values(), frames) == 0
     received = _received(frames)
-    ok, value, _, _ = loads(received)
+    (ok, value), _, _ = loads(received)
     pulled = value[0]["params"]
     assert ok and _copies(pulled.values(), received) == 0
     assert all(a.flags.writeable for a in pulled.values())      # the caller's to change

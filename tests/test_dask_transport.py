@@ -4,7 +4,8 @@ Calls from trainers (and from the client process) reach the shards as Dask
 messages to the comm handler that each shard process serves, over comms from
 a Dask ``ConnectionPool`` driven by one event-loop thread per process. These
 tests check what that path must keep: exactly-once pushes when a pooled comm
-was closed under it, ShardLostError when the shards are gone, calls from a
+was closed under it (sent once more only then), ShardLostError when the shards
+are gone, refusals returned as data (Dask logs no traceback), calls from a
 thread that runs an event loop, cross-process all-or-nothing pushes, and TLS
 where the cluster uses it. One loopback ``LocalCluster`` (2 processes) serves
 the module and is closed at the end.
@@ -12,6 +13,7 @@ the module and is closed at the end.
 
 import asyncio
 import importlib.util
+import logging
 import os
 import pickle
 import ssl
@@ -306,3 +308,153 @@ def test_worker_addresses_do_not_come_from_the_clients_cache(client, monkeypatch
     dead, lost = set(), []
     run._find_dead(client, None, ["w0", "w1"], [Pending(), Pending()], addresses, dead, lost)
     assert dead == set() and lost == []
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _watch_core_log(on, dask_worker):
+    """Keep (`on`) or stop keeping the warnings and errors of Dask's ``distributed.core``
+    logger (where a handler's exception is logged) in this process; those kept."""
+    log = logging.getLogger("distributed.core")
+    if on and not hasattr(dask_worker, "_records"):
+        dask_worker._records = _Records()
+        log.addHandler(dask_worker._records)
+    records = getattr(dask_worker, "_records", None)
+    if not on and records is not None:
+        log.removeHandler(records)
+        del dask_worker._records
+    return [] if records is None else records.messages
+
+
+def test_refusals_come_back_as_data_and_dask_logs_no_traceback(client, server):
+    from distributed.core import rpc
+
+    from lasagne_accum.distributed.dask import HANDLER, transport
+
+    server.register("a")
+    host, key = server.hosts[0], server._keys[0]
+    shard = next(s for s, h in server.placement.items() if h == host)
+    shapes = [server.specs[n][0] for n in server.plan[shard]]
+    assert client.run(_watch_core_log, True, workers=[host]) == {host: []}
+
+    def push(*extra):
+        grads = [np.ones(s + extra) for s in shapes]
+        return transport.outgoing(["push", [[[shard, ["a", 0, grads, 1.0, 0]]], False, False]])
+
+    hostile = [  # (message, what the refusal names)
+        (dict(key=key, request=["pid", []], bogus=1), "'bogus'"),
+        (dict(key="not-a-key", request=["pid", []]), "no shards under that key"),
+        (dict(key=key, request=["nope", []]), "unknown request method"),
+        (dict(key=key, request=push(2)), "shape"),
+    ]
+
+    async def send_all():
+        async with rpc(host, connection_args=client.connection_args) as remote:
+            replies = [await getattr(remote, HANDLER)(**m) for m, _ in hostile]
+            replies.append(await getattr(remote, HANDLER)(
+                key=key, request=push(), profile=True))
+        return replies
+
+    try:
+        replies = asyncio.run(send_all())
+    finally:
+        logged = client.run(_watch_core_log, False, workers=[host])[host]
+    assert logged == []                                   # Dask logged no exception
+    for (_, named), reply in zip(hostile, replies):
+        assert isinstance(reply, dict) and reply["status"] == "refused"      # data, no raise
+        exc, seconds = transport.decode(reply)
+        assert isinstance(exc, Exception) and named in str(exc) and seconds == []
+        assert exc.__traceback__ is not None           # the shard process's, for the reader
+    (ok, results), seconds = transport.decode(replies[-1])
+    assert ok and results[0]["applied"] and len(seconds) == 2          # the honest one
+    _, params = server.pull()                                        # applied once
+    for n in server.plan[shard]:
+        np.testing.assert_array_equal(params[n], -np.ones(server.specs[n][0]))
+
+
+class _Comm:
+    def __init__(self):
+        self.aborted = False
+
+    def closed(self):
+        return self.aborted
+
+    def abort(self):
+        self.aborted = True
+
+
+class _Pool:
+    """Dask's ConnectionPool as _send sees it: `available` comms and ``pool(address).op()``
+    (a PooledRPCCall), answering from `replies` (an exception is raised)."""
+
+    def __init__(self, idle, replies):
+        self.available, self.replies, self.sent = {"h": set(idle)}, list(replies), 0
+
+    def __call__(self, address):
+        pool = self
+
+        class Call:
+            async def lasagne_accum_shards(self, **message):
+                pool.sent += 1
+                reply = pool.replies.pop(0)
+                if isinstance(reply, BaseException):
+                    raise reply
+                return reply
+
+        return Call()
+
+
+@pytest.mark.parametrize("idle, replies, sent, outcome", [
+    (2, ["closed", ("ok",)], 2, ("ok",)),          # an idle comm closed: once more
+    (0, ["closed", ("ok",)], 1, "CommClosedError"),  # a fresh comm: the process is lost
+    (1, ["closed", "closed"], 2, "CommClosedError"),  # once only
+    (1, [("ok",)], 1, ("ok",)),
+])
+def test_a_request_is_sent_once_more_only_after_an_idle_comm_was_found_closed(
+        monkeypatch, idle, replies, sent, outcome):
+    from distributed.comm import CommClosedError
+
+    from lasagne_accum.distributed.dask import transport
+
+    comms = [_Comm() for _ in range(idle)]
+    pool = _Pool(comms, [CommClosedError("peer gone") if r == "closed" else r
+                         for r in replies])
+
+    async def handler(args, address):
+        return pool, pool(address).lasagne_accum_shards
+
+    monkeypatch.setattr(transport._comms, "handler", handler)
+    try:
+        got = asyncio.run(transport._send({}, "h", dict(key="k", request=["pid", []])))
+    except OSError as exc:                # the caller's ShardLostError
+        got = type(exc).__name__
+    assert got == outcome and pool.sent == sent
+    if sent == 2:                           # the idle comms that were left: dropped too
+        assert all(c.closed() for c in comms)
+
+
+def test_a_reply_is_decoded_as_a_value_a_refusal_or_no_handler():
+    from distributed.core import error_message
+
+    from lasagne_accum.distributed.dask import transport
+    from lasagne_accum.distributed.dask.actor import Gone
+
+    assert transport.decode(((True, 3),)) == ((True, 3), [])
+    assert transport.decode((7, 0.5, 0.25)) == (7, [0.5, 0.25])
+    try:
+        raise PushRejected("grads['w']: shape (2,), expected (3,)")
+    except PushRejected as exc:
+        message = error_message(exc, status="refused")
+    received = {**message, "exception": message["exception"].data,    # as Dask reads it
+                "traceback": message["traceback"].data}
+    exc, seconds = transport.decode(received)
+    assert type(exc) is PushRejected and "grads['w']" in str(exc) and seconds == []
+    gone, _ = transport.decode(None)
+    assert isinstance(gone, Gone)

@@ -4,15 +4,16 @@ A request reaches a shard process as a Dask message to the comm handler
 :data:`HANDLER`, which :func:`install_handler` puts on the process's
 ``distributed.Worker``. :func:`serve` checks what Dask decoded
 (:func:`~lasagne_accum.distributed.dask.schema.check_request`), runs it on the
-worker's event loop and returns the reply, ``(ok, value or exception)``, and
-when the caller profiles, the seconds it spent in the shard process and those
-of them waiting for a sync round to close. The reply goes back as a
-``ToPickle``: its arrays are out-of-band frames.
+worker's event loop and returns the reply: the value, and when the caller
+profiles, the seconds it spent in the shard process and those of them waiting
+for a sync round to close. The reply goes back as a ``ToPickle``: its arrays
+are out-of-band frames. A refusal goes back as data too, never raised in the
+handler (Dask would log its traceback): Dask's own error message, with the
+status :data:`REFUSED`.
 """
 
 import asyncio
 import os
-import pickle
 import time
 
 from ..errors import PushRejected, RoundFailedError, ServerTimeoutError
@@ -20,9 +21,10 @@ from ..shard import Shard, push_atomic, unregister_atomic
 from .cluster import require_distributed
 from .schema import check_request
 
-__all__ = ["ShardActor", "HANDLER", "Gone", "serve", "install_handler"]
+__all__ = ["ShardActor", "HANDLER", "REFUSED", "Gone", "serve", "install_handler"]
 
 HANDLER = "lasagne_accum_shards"      # the comm handler's name on the shard processes
+REFUSED = "refused"                   # the status of a refusal's error message
 
 
 class Gone(Exception):
@@ -33,16 +35,25 @@ def install_handler(worker):
     """Serve :data:`HANDLER` on `worker` (a ``distributed.Worker``); idempotent."""
     if HANDLER in worker.handlers:
         return
-    to_pickle = require_distributed().protocol.ToPickle
+    distributed = require_distributed()
+    to_pickle, error_message = distributed.protocol.ToPickle, distributed.core.error_message
 
-    async def lasagne_accum_shards(key=None, request=None, profile=False):
-        return to_pickle(await serve(worker, key, request, profile is True))
+    async def lasagne_accum_shards(key=None, request=None, profile=False, **unknown):
+        try:
+            if unknown:
+                raise ValueError(f"the request has unknown field(s) {sorted(unknown)!r:.200}; "
+                                 "expected key, request, profile")
+            return to_pickle(await serve(worker, key, request, profile is True))
+        except Exception as exc:      # sent back, not raised: Dask logs what a handler raises
+            return error_message(exc, status=REFUSED)    # (an unpicklable one as its repr)
 
     worker.handlers[HANDLER] = lasagne_accum_shards
 
 
 async def serve(worker, key, request, profile=False):
-    """Answer one request for the shards under actor `key`: the reply tuple.
+    """Answer one request for the shards under actor `key`: ``(value,)``, or with `profile`
+    ``(value, seconds in the shard process, seconds of them waiting for rounds)``; a
+    refusal is raised.
 
     Parameters
     ----------
@@ -56,24 +67,17 @@ async def serve(worker, key, request, profile=False):
     """
     start = time.perf_counter() if profile else None
     timing = {"round": 0.0} if profile else None
-    try:
-        actor = worker.state.actors.get(key) if type(key) is str else None
-        if actor is None:
-            raise Gone(f"no shards under that key on {worker.address} (released, or the "
-                       "process was restarted)")
-        method, args = check_request(request, actor.specs, actor.options.check_finite)
-        del request
-        out = (True, await actor.serve(method, args, timing))
-    except Exception as exc:
-        try:
-            pickle.dumps(exc)
-        except Exception as why:      # an unpicklable exception: say what it was
-            exc = RuntimeError(f"{type(exc).__name__}: {exc} (unpicklable: {why})")
-        out = (False, exc)
+    actor = worker.state.actors.get(key) if type(key) is str else None
+    if actor is None:
+        raise Gone(f"no shards under that key on {worker.address} (released, or the "
+                   "process was restarted)")
+    method, args = check_request(request, actor.specs, actor.options.check_finite)
+    del request
+    value = await actor.serve(method, args, timing)
     if not profile:
-        return out
+        return (value,)
     elapsed = time.perf_counter() - start
-    return out + (elapsed - timing["round"], timing["round"])
+    return value, elapsed - timing["round"], timing["round"]
 
 
 class ShardActor:

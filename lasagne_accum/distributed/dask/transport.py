@@ -1,44 +1,47 @@
 """The caller's side: requests to the shard processes over Dask's own comms.
 
-A request travels as one Dask message, ``{"op": HANDLER, "key": actor key,
-"request": [method, arguments]}``, to the handler that each shard process
+A request calls the comm handler :data:`HANDLER` that each shard process
 installs on its ``distributed.Worker``
-(:func:`~lasagne_accum.distributed.dask.actor.install_handler`). Comms come
-from a ``distributed.core.ConnectionPool`` (one per set of connection
-arguments, so the cluster's ``Security`` decides TLS), driven by this
-process's one background event-loop thread: a calling thread hands its
-requests to that loop and waits for the replies; it never runs a loop of its
-own, so calls from a thread that runs one (a notebook) work too.
+(:func:`~lasagne_accum.distributed.dask.actor.install_handler`) as Dask calls
+its own: ``pool(address).lasagne_accum_shards(key=..., request=...)``, a
+``PooledRPCCall`` of a ``distributed.core.ConnectionPool`` (one per set of
+connection arguments, so the cluster's ``Security`` decides TLS), whose
+``send_recv`` closes a comm left out of step by an error, a timeout or a
+cancel. It runs on this process's one background event-loop thread: a calling
+thread hands its requests to that loop and waits for the replies; it never
+runs a loop of its own, so calls from a thread that runs one (a notebook) work.
 
 Numpy arrays travel as Dask's out-of-band frames: a request's arrays are
 wrapped in ``Serialize``, whose frame is a view of the array (no copy here),
 and the shard process's arrays are views of the frames read from the socket;
 a reply is a ``ToPickle`` whose arrays are pickle buffers, also out of band,
-and this process's arrays are views of the frames it read.
+and this process's arrays are views of the frames it read. A refusal is data
+too: Dask's ``error_message`` (status :data:`REFUSED`), made the exception
+again by :func:`decode` (``clean_exception``).
 
 :func:`call` sends requests to several processes at once, runs the caller's
 own work meanwhile, then collects the replies, all within the server's
 ``wait_timeout``. A pooled comm found closed (the other side dropped it while
-it was idle) is replaced and the request sent once more (a push repeated with
-the same ``(worker, seq)`` is not applied twice). A process that does not
-answer, or holds no shards under that key any more, becomes
-:class:`~lasagne_accum.distributed.errors.ShardLostError`.
+it was idle) is replaced and the request sent once more (Dask's ``retry``; a
+push repeated with the same ``(worker, seq)`` is not applied twice). A
+process that does not answer, or holds no shards under that key any more,
+becomes :class:`~lasagne_accum.distributed.errors.ShardLostError`.
 """
 
 import asyncio
 import concurrent.futures
+import functools
 import os
 import threading
 import time
-import weakref
 
 import numpy as np
 
 from ..errors import ShardLostError
-from .actor import HANDLER, Gone
+from .actor import HANDLER, REFUSED, Gone
 from .cluster import require_distributed
 
-__all__ = ["call", "GRACE"]
+__all__ = ["call", "decode", "GRACE"]
 
 GRACE = 5.0           # seconds added to wait_timeout for the message itself
 
@@ -50,8 +53,7 @@ class _Comms:
         self.lock = threading.Lock()
         self.loop = self.thread = None
         self.pools = {}                   # connection arguments' key: (arguments, pool)
-        # comms that carried a reply: taken again from the pool, one may be found closed
-        self.served = weakref.WeakSet()
+        self.calls = {}                   # (pool, address): the PooledRPCCall's HANDLER
         self.timing = threading.local()
 
     def submit(self, coro):
@@ -62,17 +64,25 @@ class _Comms:
                 self.thread = threading.Thread(target=self.loop.run_forever, daemon=True,
                                                name="lasagne-accum-comms")
                 self.thread.start()
-                self.pools = {}
+                self.pools, self.calls = {}, {}
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     async def pool(self, args):
         """The pool for the connection arguments `args` (on the loop)."""
         key = tuple(sorted((k, id(v)) for k, v in args.items()))
         if key not in self.pools:
-            pool = require_distributed().core.ConnectionPool(connection_args=args)
-            await pool.start()
+            pool = await require_distributed().core.ConnectionPool(connection_args=args)
             self.pools[key] = (args, pool)      # `args` kept: the ids in the key stay theirs
         return self.pools[key][1]
+
+    async def handler(self, args, address):
+        """``(pool, PooledRPCCall's HANDLER at `address`)`` for the connection arguments
+        `args` (on the loop); kept, as making the call object costs 5 us a request."""
+        pool = await self.pool(args)
+        call = self.calls.get((pool, address))
+        if call is None:
+            call = self.calls[pool, address] = getattr(pool(address), HANDLER)
+        return pool, call
 
     def after_fork(self):
         self.__init__()
@@ -100,29 +110,47 @@ def outgoing(x):
     return x
 
 
-async def _exchange(args, address, message):
-    """Write `message` to `address` on a pooled comm and read the reply."""
-    closed = require_distributed().comm.CommClosedError
-    pool = await _comms.pool(args)
-    while True:
-        comm = await pool.connect(address)
-        reused = comm in _comms.served
-        try:
-            await comm.write(message, on_error="raise")
-            reply = await comm.read()
-        except (closed, EOFError, ConnectionError):
-            comm.abort()
-            pool.reuse(address, comm)
-            if reused:      # closed while idle, before the request reached it: once more
-                continue
+class _IdleCommClosed(ConnectionError):
+    """A comm that idled in the pool was found closed by the other side."""
+
+
+async def _request(pool, handler, address, message):
+    """One request: `handler`, a PooledRPCCall of `pool` to `address`, as Dask calls one."""
+    # the pool hands out an idle comm before it opens one (no await between this look and
+    # its choice); an idle comm may have been closed by the other side meanwhile
+    idle = any(not c.closed() for c in pool.available.get(address, ()))
+    try:
+        return await handler(**message)
+    except (require_distributed().comm.CommClosedError, EOFError, ConnectionError) as exc:
+        if not idle:
             raise
-        except BaseException:           # a timeout or a cancel: the comm is out of step
+        for comm in list(pool.available.get(address, ())):   # idle as long: dropped too
             comm.abort()
-            pool.reuse(address, comm)
-            raise
-        _comms.served.add(comm)
-        pool.reuse(address, comm)
-        return reply
+        raise _IdleCommClosed(f"an idle pooled comm to {address} was closed: {exc}") from exc
+
+
+async def _send(args, address, message):
+    """:func:`_request`; once more on a fresh comm if an idle one was found closed.
+    (Dask's ``retry_operation`` takes its count from Dask's config, 0 by default: this
+    one retry is part of the transport's meaning, not a setting.)"""
+    pool, handler = await _comms.handler(args, address)
+    return await require_distributed().utils_comm.retry(
+        functools.partial(_request, pool, handler, address, message), count=1,
+        delay_min=0.0, delay_max=0.0, jitter_fraction=0.0,
+        retry_on_exceptions=_IdleCommClosed, operation=HANDLER)
+
+
+def decode(reply):
+    """A shard handler's reply as ``(value, seconds)``: the request's value, or for a
+    refusal its exception (with the shard process's traceback); `seconds` are ``[shard,
+    round]`` when the request asked for them (profile), else empty."""
+    if reply is None:                   # no handler there: a process that is not ours
+        return Gone("the process has no shard handler (restarted?)"), []
+    if isinstance(reply, dict) and reply.get("status") == REFUSED:
+        _, exc, tb = require_distributed().core.clean_exception(**reply)
+        return exc.with_traceback(tb), []
+    value, *seconds = reply
+    return value, seconds
 
 
 def _lost(server, g, what, exc, timeout):
@@ -172,12 +200,12 @@ def call(server, jobs, what, extra=0.0, between=None):
     end = time.monotonic() + timeout
     args = server.connection_args()
     start = time.perf_counter()
-    messages = {g: {"op": HANDLER, "key": server._keys[g], "request": outgoing(job),
-                    "profile": profile} for g, job in jobs.items()}
+    messages = {g: dict(key=server._keys[g], request=outgoing(job), profile=profile)
+                for g, job in jobs.items()}
     if profile:
         timing["serialise"] += time.perf_counter() - start
     futures = {g: _comms.submit(asyncio.wait_for(
-        _exchange(args, server.hosts[g], message), timeout)) for g, message in messages.items()}
+        _send(args, server.hosts[g], message), timeout)) for g, message in messages.items()}
     out = {}
     try:
         if between is not None:
@@ -185,18 +213,12 @@ def call(server, jobs, what, extra=0.0, between=None):
     finally:
         for g, future in futures.items():
             try:
-                reply = future.result(max(end - time.monotonic(), 0.0) + 1.0)
-                if reply is None:           # no handler there: a process that is not ours
-                    raise Gone(f"{server.hosts[g]} has no shard handler (restarted?)")
-                if isinstance(reply, dict):      # Dask's own error message
-                    text = reply.get("exception_text", reply)
-                    raise RuntimeError(f"shard process: {text!s:.500}")
-                ok, value, *seconds = reply
-                if profile:
+                value, seconds = decode(future.result(max(end - time.monotonic(), 0.0) + 1.0))
+                if isinstance(value, Gone):
+                    raise value
+                if profile and seconds:
                     timing["shard"] = max(timing["shard"], seconds[0])
                     timing["round"] = max(timing["round"], seconds[1])
-                if not ok and isinstance(value, Gone):
-                    raise value
                 out[g] = value
             except lost as exc:
                 future.cancel()
