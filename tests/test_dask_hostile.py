@@ -302,23 +302,28 @@ def _push_results(reply):
     return []
 
 
-def _check(case, outcome):
-    """`case` got what it must: a refusal naming the field, returned as data (or, for a
-    replay, a duplicate applied nowhere)."""
+def _problem(case, outcome):
+    """What is wrong with what `case` got, or None: it must get a refusal naming the field,
+    returned as data (or, for a replay, a duplicate applied nowhere)."""
     how, reply = outcome
-    assert how == "reply", (f"{case!r}: raised at the caller, not refused as data "
-                            f"({type(reply).__name__}: {reply!s:.300})")
+    if how != "reply":
+        return (f"{case!r}: raised at the caller, not refused as data "
+                f"({type(reply).__name__}: {reply!s:.300})")
     refusals = _refusals(reply)
     text = "\n".join(f"{type(e).__name__}: {e}" for e in refusals)
     if case.names is None:
         results = _push_results(reply)
-        assert not refusals and results, f"{case!r}: {reply!r:.500}"
-        assert all(r["duplicate"] and not r["applied"] for r in results), \
-            f"{case!r}: a replay was applied: {results!r:.500}"
-        return
-    assert refusals, f"{case!r} was accepted: {reply!r:.500}"
+        if refusals or not results:
+            return f"{case!r}: {reply!r:.500}"
+        if not all(r["duplicate"] and not r["applied"] for r in results):
+            return f"{case!r}: a replay was applied: {results!r:.500}"
+        return None
+    if not refusals:
+        return f"{case!r} was accepted: {reply!r:.500}"
     missing = [n for n in case.names if not _names_it(text, n)]
-    assert not missing, f"{case!r}: the refusal does not name {missing}: {text!r:.600}"
+    if missing:
+        return f"{case!r}: the refusal does not name {missing}: {text!r:.600}"
+    return None
 
 
 def _names_it(text, name):
@@ -330,7 +335,8 @@ def _attack(server, wire, batch, test, check_digest=True):
     before = _digest(server) if check_digest else None
     outcomes = wire.send(server, batch)
     for case, outcome in zip(batch, outcomes):
-        _check(case, outcome)
+        problem = _problem(case, outcome)
+        assert problem is None, problem
         SEEN[test][case.label] += 1
     SENT[test] += len(batch)
     if check_digest:
@@ -824,9 +830,9 @@ FIELD_EXAMPLES = 2           # x 25
 CONCURRENT_EXAMPLES = 16     # x 25
 
 
-def _property(server, wire, test, batches, examples, labels, size=BATCH):
-    """Send `examples` batches drawn from `batches`; each request refused as it must be, the
-    digest unchanged after each batch; every category in `labels` sent."""
+def _property(server, wire, test, batches, examples):
+    """Send `examples` batches drawn from `batches` (each request refused as it must be, the
+    digest unchanged after each batch); the requests sent, and the count per category."""
 
     @settings(max_examples=examples, **SETTINGS)
     @given(batches)
@@ -834,33 +840,39 @@ def _property(server, wire, test, batches, examples, labels, size=BATCH):
         _attack(server, wire, batch, test)
 
     attack()
-    assert SENT[test] >= examples * size
-    assert set(labels) <= set(SEEN[test]), f"never sent: {sorted(set(labels) - set(SEEN[test]))}"
+    return SENT[test], SEEN[test]
 
 
 def test_malformed_requests_are_refused_naming_the_field(target, wire):
-    _property(target, wire, "requests", REQUEST_BATCH, REQUEST_EXAMPLES, REQUEST_DEFECTS,
-              2 * len(REQUEST_DEFECTS))
+    sent, seen = _property(target, wire, "requests", REQUEST_BATCH, REQUEST_EXAMPLES)
+    assert sent >= REQUEST_EXAMPLES * 2 * len(REQUEST_DEFECTS)
+    assert set(REQUEST_DEFECTS) <= set(seen), sorted(set(REQUEST_DEFECTS) - set(seen))
 
 
 def test_malformed_pushes_and_checks_are_refused_naming_the_field(target, wire):
-    _property(target, wire, "pushes", PUSH_BATCH, PUSH_EXAMPLES,
-              [f"{m}: {k}" for m, k in PUSH_KINDS], len(PUSH_KINDS))
+    sent, seen = _property(target, wire, "pushes", PUSH_BATCH, PUSH_EXAMPLES)
+    kinds = {f"{m}: {k}" for m, k in PUSH_KINDS}
+    assert sent >= PUSH_EXAMPLES * len(PUSH_KINDS)
+    assert kinds <= set(seen), sorted(kinds - set(seen))
 
 
 def test_malformed_loads_are_refused_naming_the_entry(target, wire):
-    _property(target, wire, "loads", LOAD_BATCH, LOAD_EXAMPLES,
-              [f"load: {k}" for k in LOAD_DEFECTS], 4 * len(LOAD_DEFECTS))
+    sent, seen = _property(target, wire, "loads", LOAD_BATCH, LOAD_EXAMPLES)
+    kinds = {f"load: {k}" for k in LOAD_DEFECTS}
+    assert sent >= LOAD_EXAMPLES * 4 * len(LOAD_DEFECTS)
+    assert kinds <= set(seen), sorted(kinds - set(seen))
 
 
 def test_replayed_seqs_are_duplicates_applied_nowhere(target, wire):
     """A repeated (worker, seq) is the library's retry: answered as a duplicate (not a
     refusal), whatever its gradients and version, and not applied again."""
-    _property(target, wire, "replays", REPLAY_BATCH, REPLAY_EXAMPLES, ["replayed seq"])
+    sent, seen = _property(target, wire, "replays", REPLAY_BATCH, REPLAY_EXAMPLES)
+    assert sent >= REPLAY_EXAMPLES * BATCH and "replayed seq" in seen
 
 
 def test_unknown_message_fields_are_refused_as_data(target, wire):
-    _property(target, wire, "fields", FIELD_BATCH, FIELD_EXAMPLES, ["unknown message field"])
+    sent, seen = _property(target, wire, "fields", FIELD_BATCH, FIELD_EXAMPLES)
+    assert sent >= FIELD_EXAMPLES * BATCH and "unknown message field" in seen
 
 
 def _honest_grads(seq):
@@ -1032,10 +1044,12 @@ def test_edge_requests_are_refused_and_change_nothing(target, wire, label):
 @pytest.mark.parametrize("label", list(REFUSED_UNNAMED))
 def test_edge_refusals_name_the_field(target, wire, label):
     case, _ = REFUSED_UNNAMED[label]
-    _check(case, wire.send(target, [case])[0])
+    problem = _problem(case, wire.send(target, [case])[0])
+    assert problem is None, problem
 
 
 @pytest.mark.parametrize("label", list(ACCEPTED))
 def test_edge_requests_once_taken_are_refused(scratch, wire, label):
     case, _ = ACCEPTED[label]
-    _check(case, wire.send(scratch, [case])[0])
+    problem = _problem(case, wire.send(scratch, [case])[0])
+    assert problem is None, problem
