@@ -134,21 +134,35 @@ class ServerOptions:
                             f"{self.compile_mode!r}")
 
     @classmethod
+    def fields_of(cls, options=None, **kwargs):
+        """The fields that `options` (a :class:`ServerOptions`, a dict of its fields or
+        None) and `kwargs` give, as a dict: names checked, values not yet."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        if options is None:
+            base = {}
+        elif isinstance(options, cls):
+            base = {name: getattr(options, name) for name in names}
+        elif isinstance(options, Mapping):
+            base = dict(options)
+        else:
+            raise TypeError("options must be a ServerOptions or a dict of its fields, got "
+                            f"{type(options).__name__}")
+        twice = sorted(set(base) & set(kwargs))
+        if twice:
+            raise TypeError(f"{', '.join(twice)} given twice: in options= and as keywords")
+        unknown = sorted((set(base) | set(kwargs)) - set(names))
+        if unknown:
+            raise TypeError(f"unknown server option(s) {', '.join(unknown)}; the options are "
+                            f"{', '.join(names)}")
+        return {**base, **kwargs}
+
+    @classmethod
     def of(cls, options=None, **kwargs):
         """`options` (a :class:`ServerOptions`, a dict of its fields or None) with `kwargs`
         replaced."""
-        if options is None:
-            return cls(**kwargs)
-        if isinstance(options, Mapping):
-            twice = sorted(set(options) & set(kwargs))
-            if twice:
-                raise TypeError(f"{', '.join(twice)} given twice: in options= and as "
-                                "keywords")
-            return cls(**options, **kwargs)
-        if not isinstance(options, cls):
-            raise TypeError("options must be a ServerOptions or a dict of its fields, got "
-                            f"{type(options).__name__}")
-        return dataclasses.replace(options, **kwargs) if kwargs else options
+        if isinstance(options, cls) and not kwargs:
+            return options
+        return cls(**cls.fields_of(options, **kwargs))
 
 
 def _grouped(value, cls, name):

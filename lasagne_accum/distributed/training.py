@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
@@ -22,8 +21,6 @@ if TYPE_CHECKING:
     from .._typing import UpdateRule
 
 BACKENDS = ("local", "dask")
-#: The defaults of train()'s keywords that are server options too.
-TRAIN_DEFAULTS = dict(mode="sync", model_average=None, ema=None)
 
 
 @dataclass
@@ -196,10 +193,11 @@ def train(build_model: Callable[..., Any], worker_batches: Any, update_rule: Upd
         raise ValueError("no workers: worker_batches is empty")
     saving, cluster = Checkpoint.of(checkpoint), DaskOptions.of(dask)
     shards = option_kwargs.pop("shards", None)
-    fields = _option_fields(options, option_kwargs)
+    fields = ServerOptions.fields_of(options, **option_kwargs)
     for name, value in dict(mode=mode, model_average=model_average, ema=ema).items():
-        # train()'s own keywords win over the defaults only, never over another value
-        default = TRAIN_DEFAULTS[name]
+        # train()'s own keywords (whose defaults are ServerOptions') win over the defaults
+        # only, never over another value
+        default = ServerOptions.__dataclass_fields__[name].default
         current = fields.get(name, default)
         if value != default:
             if current != default and current != value:
@@ -256,28 +254,6 @@ def train(build_model: Callable[..., Any], worker_batches: Any, update_rule: Upd
             raise
         return _finish(server, reports, history, "dask", saving.to, keep=None, lost=lost,
                        saves=saver.count)
-
-
-def _option_fields(options: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The server options given as `options` (ServerOptions, dict or None) and `kwargs`."""
-    names = [f.name for f in dataclasses.fields(ServerOptions)]
-    if options is None:
-        base: dict[str, Any] = {}
-    elif isinstance(options, ServerOptions):
-        base = {name: getattr(options, name) for name in names}
-    elif isinstance(options, Mapping):
-        base = dict(options)
-    else:
-        raise TypeError("options must be a ServerOptions or a dict of its fields, got "
-                        f"{type(options).__name__}")
-    twice = sorted(set(base) & set(kwargs))
-    if twice:
-        raise TypeError(f"train(): {', '.join(twice)} given twice: in options= and as keywords")
-    unknown = sorted((set(base) | set(kwargs)) - set(names))
-    if unknown:
-        raise TypeError(f"train(): unknown option(s) {', '.join(unknown)}; the server's options "
-                        f"are {', '.join(names)} (ServerOptions), and shards")
-    return {**base, **kwargs}
 
 
 class _Saver:
