@@ -37,7 +37,6 @@ against updates (``OUT/ghost_batch_norm.png``).
     python examples/ghost_batch_norm.py --quick    # seconds
 """
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -169,11 +168,6 @@ def main(argv=None):
         pass
     lines = table(results, n_train, args)
     text = "\n".join(lines)
-    print(text)
-    out = models.out_dir(args.out)
-    with open(os.path.join(out, "ghost_batch_norm.txt"), "w") as f:
-        f.write(text + "\n")
-
     def draw(plt):
         left, right = plt.gcf().subplots(1, 2, sharey=True)
         for run in RUNS:
@@ -191,11 +185,7 @@ def main(argv=None):
                      f"{args.batch_size * args.accumulate}")
         left.set_ylim(max(0, left.get_ylim()[0]), 100)
 
-    if not args.no_plot:
-        path = models.save_plot(os.path.join(out, "ghost_batch_norm.png"), draw)
-        if path:
-            print(f"plot: {path}")
-    print(f"done in {time.perf_counter() - start:.1f} s (compiling included)")
+    models.report(args.out, "ghost_batch_norm", text, None if args.no_plot else draw, start)
     return {"results": results, "lines": lines, "args": args}
 
 

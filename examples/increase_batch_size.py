@@ -24,7 +24,6 @@ against updates to ``--out``.
     python examples/increase_batch_size.py --quick    # seconds
 """
 
-import os
 import time
 
 import numpy as np
@@ -104,11 +103,6 @@ def main(argv=None):
         updates = results[kind][0]["updates"]
         lines.append(f"{kind:<16} {acc.mean():16.2f} {acc.std():6.2f} {updates:8d}")
     table = "\n".join(lines)
-    print(table)
-    out = models.out_dir(args.out)
-    with open(os.path.join(out, "increase_batch_size.txt"), "w") as f:
-        f.write(table + "\n")
-
     def draw(plt):
         fig = plt.gcf()
         left, right = fig.subplots(1, 2, sharey=True)
@@ -121,10 +115,7 @@ def main(argv=None):
         right.set(xlabel="parameter updates")
         right.legend()
 
-    path = models.save_plot(os.path.join(out, "increase_batch_size.png"), draw)
-    if path:
-        print(f"plot: {path}")
-    print(f"done in {time.perf_counter() - start:.1f} s (compiling included)")
+    models.report(args.out, "increase_batch_size", table, draw, start)
     return results
 
 

@@ -42,7 +42,6 @@ seeds, log scale; the right panel the first ``--gap-epochs`` epochs) in
 """
 
 import argparse
-import os
 import time
 
 import numpy as np
@@ -188,11 +187,6 @@ def main(argv=None):
     if diverged:
         lines.append("diverged (non-finite training loss): " + ", ".join(diverged))
     table = "\n".join(lines)
-    print(table)
-    out = models.out_dir(args.out)
-    with open(os.path.join(out, "linear_scaling_warmup.txt"), "w") as f:
-        f.write(table + "\n")
-
     def curve(name):
         """Mean over the seeds of the training loss per 1/BINS epoch."""
         edges = np.arange(args.epochs * BINS + 1) * n / BINS
@@ -222,10 +216,7 @@ def main(argv=None):
         fig.suptitle(f"linear scaling with and without warm-up: batch {args.batch_size} "
                      f"x K, lr {args.lr:g} x K", fontsize=10)
 
-    path = models.save_plot(os.path.join(out, "linear_scaling_warmup.png"), draw)
-    if path:
-        print(f"plot: {path}")
-    print(f"done in {time.perf_counter() - start:.1f} s (compiling included)")
+    models.report(args.out, "linear_scaling_warmup", table, draw, start)
     return results
 
 

@@ -500,6 +500,20 @@ def out_dir(path):
 progress = Progress
 
 
+def report(out, name, table, draw, start):
+    """Print `table` and write it to ``OUT/name.txt``, the figure ``draw(plt)`` makes to
+    ``OUT/name.png`` (none when `draw` is None), then the seconds since `start`."""
+    print(table)
+    out = out_dir(out)
+    with open(os.path.join(out, name + ".txt"), "w") as f:
+        f.write(table + "\n")
+    if draw is not None:
+        path = save_plot(os.path.join(out, name + ".png"), draw)
+        if path:
+            print(f"plot: {path}")
+    print(f"done in {time.perf_counter() - start:.1f} s (compiling included)")
+
+
 def save_plot(path, draw):
     """Call ``draw(plt)`` and save the figure to `path`; None if matplotlib is missing."""
     try:

@@ -38,7 +38,6 @@ log-log plot of S against B (the fit, B_crit and B_simple marked) to
 """
 
 import math
-import os
 import time
 
 import numpy as np
@@ -272,11 +271,6 @@ def main(argv=None):
         else:
             lines.append(f"B_simple not resolved at B={near}: more --noise-windows")
     table = "\n".join(lines)
-    print(table)
-    out = models.out_dir(args.out)
-    with open(os.path.join(out, "steps_to_target.txt"), "w") as f:
-        f.write(table + "\n")
-
     def draw(plt):
         ax = plt.gca()
         for (name, f), color in zip(fits.items(), ("C0", "C1")):
@@ -291,10 +285,7 @@ def main(argv=None):
         ax.set(xlabel="batch size B", ylabel=f"steps to held-out {args.metric} {args.target:g}")
         ax.legend(fontsize=8)
 
-    path = models.save_plot(os.path.join(out, "steps_to_target.png"), draw)
-    if path:
-        print(f"plot: {path}")
-    print(f"done in {time.perf_counter() - start:.1f} s (compiling included)")
+    models.report(args.out, "steps_to_target", table, draw, start)
     return {"results": results, "fits": fits, "b_simple": b_simple, "found": found}
 
 
