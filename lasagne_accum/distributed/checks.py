@@ -17,7 +17,8 @@ import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Variable
 
-from .._checks import FLOAT_DTYPES, check_integer, check_number, check_range, check_real, shown
+from .._checks import FLOAT_DTYPES, INT64_MAX, check_integer, check_number, check_range, \
+    check_real, shown
 from .errors import PushRejected
 
 
@@ -127,11 +128,6 @@ def _refusing(what, where=""):
         yield
     except (TypeError, ValueError) as exc:
         raise PushRejected(f"{where}{exc} ({what})") from None
-
-
-#: The largest counter a push carries (seq, version, an int worker id): the int64 the
-#: shards keep them in.
-INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 def check_worker_id(worker_id):

@@ -20,13 +20,13 @@ import numpy as np
 
 from .errors import NonFiniteStepError, PushRejected, RoundFailedError, RoundTimeoutError, \
     ServerTimeoutError, StalePushError, UnknownWorkerError
-from .checks import INT64_MAX, check_worker_id
+from .._checks import INT64_MAX
+from .checks import check_worker_id
 from .reduction import reduce_grads
 
 __all__ = ["Rounds", "Seen", "Step", "Staged", "settle"]
 
 KEEP_RESULTS = 256          # sync round results kept for late waiters
-MAX_SEQ = INT64_MAX         # the largest seq a record of applied pushes holds
 MAX_SEEN_BYTES = 1 << 26    # the largest such record (JSON text) a checkpoint may hold
 
 
@@ -471,7 +471,7 @@ class Rounds:
     def parse_seen(array, where):
         """``{worker id: Seen}`` from :meth:`counters`' second array; ValueError if malformed."""
         def seqs(values):   # counters, as the shard keeps them: int64
-            if not all(type(v) is int and -1 <= v <= MAX_SEQ for v in values):
+            if not all(type(v) is int and -1 <= v <= INT64_MAX for v in values):
                 raise ValueError("a seq is not an integer from -1 to 2**63 - 1")
             return values
 
