@@ -2,8 +2,8 @@
 """Ours against PyTorch and optax, and the Adam apply step against the copy bandwidth.
 
 Same model (``common.mlp``: 784-512-10 ReLU MLP, mean cross-entropy, the same
-initial values), same batch of 64, float32, a window of ``--every`` = 4
-accumulated batches followed by one Adam step (lr 1e-3):
+initial values), same batch of 64, float32 and float64 (``--dtypes``), a window
+of ``--every`` = 4 accumulated batches followed by one Adam step (lr 1e-3):
 
 * ``ours``: ``lasagne_accum.compile_accumulation(..., update_rule=adam)`` with
   the library's default modes, ``trainer.accumulate_fn`` x4 + ``apply_fn``;
@@ -12,8 +12,10 @@ accumulated batches followed by one Adam step (lr 1e-3):
 * ``torch``: PyTorch's accumulation loop, ``(loss / 4).backward()`` x4,
   ``Adam.step()``, ``zero_grad()``;
 * ``optax``: ``optax.MultiSteps(optax.adam(1e-3), every_k_schedule=4)`` in one
-  ``jax.jit``-compiled step (buffers donated), called 4 times, each call
-  waited for (``block_until_ready``).
+  ``jax.jit``-compiled step, called 4 times, each call waited for
+  (``block_until_ready``); ``optax-donated``: the same step compiled with
+  ``donate_argnums=(0, 1)``, so that parameters and optimizer state are updated
+  in place. The summary holds ours against the faster of the two.
 
 Each library (``ours`` and ``ours-numba`` too) runs in its own process, once
 with 1 thread and once with 2 (thread variables and CPU affinity pinned); the
@@ -93,13 +95,13 @@ def worker_ours(args, proto):
 
     import lasagne_accum as la
 
-    every = args.every
-    xv, yv = batch("float32")
+    every, dtype = args.every, args.dtype
+    xv, yv = batch(dtype)
     if args.worker == "ours":
-        _, params, _, tr = trainer("float32", every=every)
+        _, params, _, tr = trainer(dtype, every=every)
         acc_fn, apply_fn = tr.accumulate_fn, tr.apply_fn
     else:  # the README's recipe with plain pytensor.function (PyTensor's default mode)
-        (x, y), params, loss = mlp("float32")
+        (x, y), params, loss = mlp(dtype)
         acc = la.accumulate_gradients(loss, params)
         apply = acc.guard(la.adam(acc.grads, params, LR))
         apply.update(acc.reset)
@@ -118,7 +120,7 @@ def worker_ours(args, proto):
     written = sum(np.asarray(i.variable.get_value(borrow=True)).nbytes
                   for i in apply_fn.maker.inputs if i.update is not None)
     n_param = sum(p.get_value(borrow=True).size for p in params)
-    src = np.random.rand(n_param).astype("float32")
+    src = np.random.rand(n_param).astype(dtype)
     dst = np.empty_like(src)
 
     for _ in range(3):  # warm-up (JIT, first-call allocations)
@@ -150,8 +152,8 @@ def worker_torch(args, proto):
     from common import torch_mlp
 
     torch.set_num_threads(args.threads)
-    params, loss_fn = torch_mlp("float32")
-    xv, yv = batch("float32")
+    params, loss_fn = torch_mlp(args.dtype)
+    xv, yv = batch(args.dtype)
     x, y = torch.from_numpy(xv), torch.from_numpy(yv)
     opt = torch.optim.Adam(params, lr=LR)
     every = args.every
@@ -185,8 +187,9 @@ def worker_optax(args, proto):
     from common import jax_mlp
 
     jax.config.update("jax_platforms", "cpu")
-    params, loss_fn = jax_mlp("float32")
-    xv, yv = batch("float32")
+    jax.config.update("jax_enable_x64", args.dtype == "float64")
+    params, loss_fn = jax_mlp(args.dtype)
+    xv, yv = batch(args.dtype)
     x, y = jax.device_put(xv), jax.device_put(yv)
     opt = optax.MultiSteps(optax.adam(LR), every_k_schedule=args.every)
     state = [params, opt.init(params)]
@@ -196,7 +199,7 @@ def worker_optax(args, proto):
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    step = jax.jit(step, donate_argnums=(0, 1))
+    step = jax.jit(step, donate_argnums=(0, 1) if args.worker == "optax-donated" else ())
 
     def call():
         p, s, loss = step(state[0], state[1], x, y)
@@ -218,7 +221,7 @@ def worker_optax(args, proto):
 
 
 WORKERS = {"ours": worker_ours, "ours-numba": worker_ours, "torch": worker_torch,
-           "optax": worker_optax}
+           "optax": worker_optax, "optax-donated": worker_optax}
 
 
 # --------------------------------------------------------------------------
@@ -227,52 +230,73 @@ WORKERS = {"ours": worker_ours, "ours-numba": worker_ours, "torch": worker_torch
 def parent_main(args):
     t0 = time.perf_counter()
     print(load_average())
-    peers = [p for p, mod in (("torch", "torch"), ("optax", "optax")) if have_module(mod)]
-    missing = sorted({"torch", "optax"} - set(peers))
+    have = {"torch": have_module("torch"), "optax": have_module("optax")}
+    missing = sorted(k for k, v in have.items() if not v)
+    optaxes = ["optax", "optax-donated"] if have["optax"] else []
+    peers = (["torch"] if have["torch"] else []) + optaxes
     names = ["ours", "ours-numba", *peers]
     log = worker_log("peers-bench")
+    verdicts = []
+    for dtype in args.dtypes:
+        verdicts += _one_dtype(args, dtype, names, peers, optaxes, missing, log)
+    print("SUMMARY (target: measured -> verdict; optax: the faster of jit and donated)")
+    for label, v, target in verdicts:
+        print(f"  {'PASS' if v <= target else 'MISS'}  {label:45s} <= {target}: {v:.3f}")
+    print(load_average())
+    print(f"total {time.perf_counter() - t0:.0f} s; worker log {log.name}")
+
+
+def _one_dtype(args, dtype, names, peers, optaxes, missing, log):
+    """Every library at every thread count in one interleaved run; prints the
+    tables of `dtype` and returns its verdicts."""
     meta, samples = run_workers(
         [dict(script=HERE, name=name, threads=t, label=f"{name}@{t}",
-              args=["--every", str(args.every), "--windows", str(args.windows)])
+              args=["--every", str(args.every), "--windows", str(args.windows),
+                    "--dtype", dtype])
          for t in args.thread_counts for name in names],
         args.rounds, args.max_seconds, log=log)
     med = {k: median(v) * 1e3 for k, v in samples.items()}
     rounds = min(len(v) for v in samples.values())
 
     m = meta[f"ours@{args.thread_counts[0]}"]
-    print(f"model 784-512-10 ReLU MLP, float32, batch 64, windows of {args.every} batches + "
+    print(f"## {dtype}")
+    print(f"model 784-512-10 ReLU MLP, {dtype}, batch 64, windows of {args.every} batches + "
           f"one Adam step; {rounds} interleaved rounds x {args.windows} windows; ms = median "
           "over rounds of the per-round median; one process per library and thread count")
+    first = args.thread_counts[0]
     print(f"ours: compile_accumulation default modes (accumulate / apply linker) {m['modes']}; "
           "ours-numba: plain pytensor.function (Numba)"
-          + "".join(f"; {p} {meta[f'{p}@{args.thread_counts[0]}'].get(p)}" for p in peers)
+          + "".join(f"; {p} {meta[f'{p}@{first}'].get(p)}" for p in ("torch", "optax")
+                    if f"{p}@{first}" in meta)
           + (f"; not installed: {', '.join(missing)}" if missing else ""))
     print()
-    hdr = f"{'threads':>7} " + " ".join(f"{c + ' ms':>14}" for c in names) + "".join(
-        f" {'ours/' + p:>11} {'ours-numba/' + p:>17}" for p in peers)
     print("3. one window (N accumulate steps + one Adam step), per library and thread count")
+    hdr = f"{'threads':>7} " + " ".join(f"{c + ' ms':>18}" for c in names) + "".join(
+        f" {'ours/' + p:>19}" for p in peers)
     print(hdr)
     print("-" * len(hdr))
     verdicts = []
     for t in args.thread_counts:
         key = {c: f"{c}@{t}/window" for c in names}
-        row = f"{t:>7} " + " ".join(f"{med[key[c]]:14.3f}" for c in names)
-        for p in peers:
-            a, b = med[key["ours"]] / med[key[p]], med[key["ours-numba"]] / med[key[p]]
-            row += f" {a:11.3f} {b:17.3f}"
-            verdicts.append((f"3 ours / {p}, {t} thread(s)", a, 1.0))
+        row = f"{t:>7} " + " ".join(f"{med[key[c]]:18.3f}" for c in names)
+        row += "".join(f" {med[key['ours']] / med[key[p]]:19.3f}" for p in peers)
         print(row)
+        for label, group in (("torch", ["torch"]), ("optax", optaxes)):
+            if group and group[0] in peers:
+                fastest = min(med[key[p]] for p in group)
+                verdicts.append((f"3 ours / {label}, {dtype}, {t} thread(s)",
+                                 med[key["ours"]] / fastest, 1.0))
     print()
     print("   per call: an accumulating call (calls 1..N-1 of a window; optax: a MultiSteps "
           "call that does not step) and the window's last call (ours: accumulate + apply; "
           "torch: backward + step + zero_grad; optax: the stepping call), ms")
-    print(f"{'threads':>7} " + " ".join(f"{c + ' call/last':>22}" for c in names))
+    print(f"{'threads':>7} " + " ".join(f"{c + ' call/last':>26}" for c in names))
     for t in args.thread_counts:
-        print(f"{t:>7} " + " ".join(f"{med[f'{c}@{t}/call']:11.3f}/{med[f'{c}@{t}/step']:<10.3f}"
+        print(f"{t:>7} " + " ".join(f"{med[f'{c}@{t}/call']:15.3f}/{med[f'{c}@{t}/step']:<10.3f}"
                                     for c in names))
     print()
     print("4. Adam apply step against the copy bandwidth of a parameter-sized array "
-          f"({m['param_bytes'] / 2**20:.2f} MB float32)")
+          f"({m['param_bytes'] / 2**20:.2f} MB {dtype})")
     print(f"{'threads':>7} {'apply ms':>9} {'MB moved':>9} {'apply GB/s':>11} "
           f"{'copy ms':>8} {'copy GB/s':>10} {'ratio':>6}")
     for t in args.thread_counts:
@@ -282,11 +306,7 @@ def parent_main(args):
         print(f"{t:>7} {ap:9.3f} {mm['apply_bytes'] / 2**20:9.2f} {bw_a:11.2f} {cp:8.3f} "
               f"{bw_c:10.2f} {bw_a / bw_c:6.2f}")
     print()
-    print("SUMMARY (target: measured -> verdict)")
-    for label, v, target in verdicts:
-        print(f"  {'PASS' if v <= target else 'MISS'}  {label:45s} <= {target}: {v:.3f}")
-    print(load_average())
-    print(f"total {time.perf_counter() - t0:.0f} s; worker log {log.name}")
+    return verdicts
 
 
 def main():
@@ -297,6 +317,9 @@ def main():
     ap.add_argument("--windows", type=int, default=None, help="windows per round and worker")
     ap.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--thread-counts", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--dtypes", nargs="+", choices=["float32", "float64"],
+                    default=["float32", "float64"])
+    ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     ap.add_argument("--max-seconds", type=float, default=None)
     ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     args = ap.parse_args()

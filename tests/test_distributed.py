@@ -1264,3 +1264,35 @@ def test_every_server_option_reaches_the_server_through_train():
     with pytest.raises(TypeError, match="given twice"):
         train(build_model, [batches_for(1, [2])], sgd, dict(learning_rate=0.1),
               options=dict(merge="sum"), merge="mean")
+
+
+@pytest.mark.parametrize("backend, one_process", [
+    ("local", False), pytest.param("dask", False, marks=needs_dask),
+    pytest.param("dask", True, marks=needs_dask)])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_gradient_is_refused_naming_it_where_it_is_checked(backend, one_process,
+                                                                        bad, request):
+    """The caller checks gradients for NaN and inf where its process holds the shards (local)
+    or where the push spans several processes (Dask, all or nothing); a Dask process that
+    holds every shard of the push checks them there (`one_process`). Either way the push is
+    refused naming the parameter, counted once as rejected, and nothing of it is applied."""
+    initial = {"w": np.zeros((2, 3)), "b": np.zeros(3, np.float32)}
+    server = _server(backend, request, initial, sgd, dict(learning_rate=0.1), one_process,
+                     mode="async", shards={"w": ["w"], "b": ["b"]})
+    try:
+        version, _ = server.register("a")
+        grads = {"w": np.ones((2, 3)), "b": np.array([0, bad, 0], np.float32)}
+        with pytest.raises(PushRejected, match=r"shard 'b': the gradient of 'b' has NaN or inf"):
+            server.push("a", 0, grads, version=version)
+        stats = server.stats()
+        assert stats["rejected"] == 1 and stats["applied"] == 0
+        assert stats["version"] == (0, 0)
+        _, params = server.pull()
+        assert not params["w"].any() and not params["b"].any()
+        server.push("a", 0, {"w": np.ones((2, 3)), "b": np.ones(3, np.float32)},
+                    version=version)           # the same seq, finite: applied once
+        _, params = server.pull()
+        np.testing.assert_array_equal(params["w"], np.full((2, 3), -0.1))
+        np.testing.assert_array_equal(params["b"], np.full(3, np.float32(-0.1)))
+    finally:
+        server.close()

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["backend_of_value", "to_host", "to_torch", "convert_error", "refcounts",
+__all__ = ["backend_of_value", "store_output", "to_host", "to_torch", "convert_error", "refcounts",
            "BASE_REFCOUNT", "torch_device", "BACKEND_NAMES"]
 
 #: How the docs and error messages name each backend.
@@ -40,6 +40,22 @@ def backend_of_value(value: Any) -> str:
     if module.startswith("torch"):
         return "pytorch"
     return "host"
+
+
+def store_output(variable: Any, value: np.ndarray) -> None:
+    """Make `value`, an output of a function compiled from `variable`'s own update, its value.
+
+    The same as ``variable.set_value(value, borrow=True)`` without the type's
+    filter (it costs more than a small array's update) where `value` is a
+    numpy array of the variable's dtype and rank, as the C and Numba backends'
+    outputs are; anything else goes through ``set_value``.
+    """
+    vtype = variable.type
+    if (type(value) is np.ndarray and value.dtype == getattr(vtype, "dtype", None)
+            and value.ndim == getattr(vtype, "ndim", None)):
+        variable.container.storage[0] = value
+    else:
+        variable.set_value(value, borrow=True)
 
 
 def convert_error(name: str, value: Any, backend: str, exc: BaseException) -> ValueError:

@@ -184,12 +184,17 @@ def check_gradient(g, name, spec, where, finite=True):
         raise PushRejected(f"{where}: the gradient of {name!r} is a {type(g).__name__}, not a "
                            "numpy array")
     shape, dtype = spec
-    if str(g.dtype) != dtype or g.shape != tuple(shape):
-        wrong = f"dtype {g.dtype}" if str(g.dtype) != dtype else "the wrong shape"
-        cast = f" (cast it with .astype({dtype!r}))" if str(g.dtype) != dtype else ""
+    if g.dtype != dtype or g.shape != tuple(shape):
+        wrong = f"dtype {g.dtype}" if g.dtype != dtype else "the wrong shape"
+        cast = f" (cast it with .astype({dtype!r}))" if g.dtype != dtype else ""
         raise PushRejected(f"{where}: the gradient of {name!r} has {wrong}: it must be a {dtype}"
                            f"{list(shape)} array, got a {g.dtype}{list(g.shape)} array{cast}")
-    if finite and not np.isfinite(g).all():
+    return check_finite_gradient(g, name, where) if finite else g
+
+
+def check_finite_gradient(g, name, where):
+    """`g`, a numeric array, refused if it holds NaN or inf."""
+    if not np.isfinite(g).all():
         raise PushRejected(f"{where}: the gradient of {name!r} has NaN or inf values")
     return g
 

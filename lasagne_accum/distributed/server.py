@@ -42,6 +42,11 @@ class BaseServer:
 
     _copy_grads = True        # a push's arrays are copied when checked (a server keeps them)
 
+    def _finite_checked_here(self, idx):
+        """The shards among `idx` whose gradients this process refuses for NaN or inf (a
+        shard in another process refuses them there)."""
+        return set(idx) if self.options.check_finite else set()
+
     # implemented by the subclasses
     _call: Callable[..., list[Any]]
     _push: Callable[..., list[Any]]
@@ -138,12 +143,12 @@ class BaseServer:
         if outside:
             raise PushRejected(f"gradient for {', '.join(map(repr, outside))} whose shard "
                                "this push does not target")
-        calls = []
+        calls, finite_here = [], self._finite_checked_here(idx)
         for i in idx:
             specs = self._shard_specs[i]
             where = f"shard {self.shard_names[i]!r}"
             arrays = check_grads({n: grads[n] for n in specs if n in grads}, specs, where,
-                                 self.options.check_finite, copy=self._copy_grads)
+                                 i in finite_here, copy=self._copy_grads)
             calls.append((worker_id, seq, arrays, weight, check_version(version[i], where)))
         return idx, calls
 

@@ -27,6 +27,7 @@ from pytensor.compile.sharedvalue import SharedVariable
 from ..checkpoint import collect_state
 from ..merge import merge_updates
 from .._graph import scalar_state, write_value
+from .._pytensor.values import store_output
 from ..rules._core import evaluate_schedule
 from ..model_average import ExponentialMovingAverage, ModelAverage
 from .._checks import check_rule_updates, rule_name
@@ -120,8 +121,12 @@ class ApplyFunction:
             self._targets = list(self.updates)
             self._checked = [(i, var) for i, var in enumerate(self._targets)
                              if np.dtype(var.type.dtype).kind in "fc"]
-            self._fn = compile_function(grads + [factor],
-                                        [self.updates[v] for v in self._targets], {},
+            new = [self.updates[v] for v in self._targets]
+            # one pass over each new value in the compiled code, instead of a
+            # numpy isfinite (and its temporary) per value afterwards
+            finite = pt.all([pt.all(pt.isfinite(new[i])) for i, _ in self._checked]
+                            or [pt.constant(True)])
+            self._fn = compile_function(grads + [factor], new + [finite], {},
                                         compile_mode, role="apply")
         else:
             self._fn = compile_function(grads + [factor], [], self.updates, compile_mode,
@@ -143,6 +148,9 @@ class ApplyFunction:
         out = self._fn(*map(aligned, arrays), factor)
         if not self.check_finite:
             return Step()
+        *out, finite = out
+        if finite:
+            return Step(out)
         for i, var in self._checked:
             value = np.asarray(out[i])
             if not np.isfinite(value).all():
@@ -157,7 +165,7 @@ class ApplyFunction:
             return
         for var, value in zip(self._targets, step.values):
             if isinstance(var.get_value(borrow=True), np.ndarray):
-                var.set_value(value, borrow=True)     # a fresh output: the variable owns it
+                store_output(var, value)              # a fresh output: the variable owns it
             else:
                 write_value(var, value)               # a device value keeps its storage
 

@@ -17,6 +17,7 @@ import os
 import time
 
 from ..errors import PushRejected, RoundFailedError, ServerTimeoutError
+from ..checks import check_finite_gradient
 from ..shard import Shard, push_atomic, unregister_atomic
 from .cluster import require_distributed
 from .schema import check_request
@@ -71,7 +72,7 @@ async def serve(worker, key, request, profile=False):
     if actor is None:
         raise Gone(f"no shards under that key on {worker.address} (released, or the "
                    "process was restarted)")
-    method, args = check_request(request, actor.specs, actor.options.check_finite)
+    method, args = check_request(request, actor.specs)
     del request
     value = await actor.serve(method, args, timing)
     if not profile:
@@ -218,6 +219,13 @@ class ShardActor:
         adds the seconds spent waiting for rounds to ``timing["round"]``.
         """
         waits = self.options.mode == "sync" and wait   # the round's result brings the params
+        if self.options.check_finite:     # the caller checks only the shards it holds
+            try:
+                for name, (_, _, arrays, _, _) in calls:
+                    for g, param in zip(arrays, self.specs[name]):
+                        check_finite_gradient(g, param, f"shard {name!r}")
+            except PushRejected as exc:     # counted by the caller, as every refusal
+                return False, exc
         ok, results = self._push(calls, pull and not waits)
         if not ok or not waits:
             return ok, results

@@ -84,7 +84,7 @@ def _shard_calls(calls, specs, what):
     return calls
 
 
-def _push_args(args, specs, name, with_arrays, finite):
+def _push_args(args, specs, name, with_arrays):
     """A push's (or a check's) values for shard `name`, checked as the caller checks them."""
     if len(args) != 5:
         raise BadRequest(f"a push to shard {name!r} takes 5 values, got {len(args)}")
@@ -96,15 +96,17 @@ def _push_args(args, specs, name, with_arrays, finite):
             raise BadRequest("a check carries no gradients")
         return wid, seq, None, None, check_version(version, where)
     weight = check_weight(weight)
-    arrays = tuple(check_arrays(arrays, specs[name], where, finite))
+    arrays = tuple(check_arrays(arrays, specs[name], where, finite=False))
     return wid, seq, arrays, weight, check_version(version, where)
 
 
-def check_request(request, specs, finite=True):
+def check_request(request, specs):
     """``(method, args)`` of a decoded request, once its contents and shape are checked.
 
     A push's (and a check's) values are those the checks of
     :mod:`lasagne_accum.distributed.checks` return (a weight as a float...).
+    Whether its gradients are finite is the shards' question
+    (``check_finite``), answered by a refusal like any other push's.
 
     Parameters
     ----------
@@ -113,8 +115,6 @@ def check_request(request, specs, finite=True):
     specs : dict
         ``{shard name: {param name: (shape, dtype)}}`` of the shards this
         process holds under the request's key.
-    finite : bool
-        Refuse gradients with NaN or inf values (the shards' ``check_finite``).
 
     Raises
     ------
@@ -124,12 +124,12 @@ def check_request(request, specs, finite=True):
         the message the caller's check gives).
     """
     try:
-        return _checked(request, specs, finite)
+        return _checked(request, specs)
     except PushRejected as exc:
         raise BadRequest(str(exc)) from None
 
 
-def _checked(request, specs, finite):
+def _checked(request, specs):
     _data(request, "request")
     if type(request) not in (list, tuple) or len(request) != 2:
         raise BadRequest("a request must be a [method, arguments] pair")
@@ -154,7 +154,7 @@ def _checked(request, specs, finite):
                                                       for v in state.values()):
                     raise BadRequest("load() takes a dict {name: numpy array}")
     elif method in ("check", "push"):
-        calls = tuple((name, _push_args(call_args, specs, name, method == "push", finite))
+        calls = tuple((name, _push_args(call_args, specs, name, method == "push"))
                       for name, call_args in _shard_calls(args[0], specs,
                                                           f"a {method}'s shard list"))
         if method == "push" and not all(type(flag) is bool for flag in args[1:]):

@@ -202,6 +202,14 @@ class DaskParameterServer(BaseServer):
             raise error
         return results
 
+    def _finite_checked_here(self, idx):
+        if not self.options.check_finite:
+            return set()
+        groups = {self._group_of[i] for i in idx}
+        if len(groups) > 1:      # all or nothing across processes: refused before any is sent
+            return set(idx)
+        return set(idx) if self._here(groups.pop()) is not None else set()
+
     def _push(self, indices, calls, pull, wait):
         groups = self._groups(indices, calls)
         here = {g: self._here(g) for g in groups}
