@@ -248,11 +248,26 @@ def save_arrays(path: PathLike, arrays: Mapping[str, np.ndarray], *,
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+        _fsync_directory(os.path.dirname(os.path.abspath(path)))
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)        # this save's own temporary file; never another writer's
         raise
     return list(arrays)
+
+
+def _fsync_directory(directory):
+    """Flush the directory entry of a rename to disk, so that the new checkpoint, not the
+    old one, is there after a power loss (where the system can: not on Windows)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):     # some file systems refuse a directory fsync
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_state(path: PathLike, *objects: Any, metadata: Mapping[str, Any] | None = None
@@ -296,7 +311,8 @@ def save_state(path: PathLike, *objects: Any, metadata: Mapping[str, Any] | None
     -----
     The data go to a temporary file ``.tmp-<name>-<host>-<pid>-<random>.npz``
     of this save's own in the same directory, which is flushed to disk and
-    then renamed over `path`: readers see the old checkpoint or the new one,
+    then renamed over `path` (the directory is flushed too): readers see the
+    old checkpoint or the new one,
     never a partial file, and writers on several machines can share the
     directory. A save that fails removes its temporary file; a process killed
     mid-save leaves it behind, and no save removes another's (on a shared

@@ -255,6 +255,30 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
         assert sorted(z.namelist()) == ["__lasagne_accum_state__.npy", "a.npy"]
 
 
+def test_a_save_flushes_the_file_then_the_directory_after_the_rename(tmp_path, monkeypatch):
+    """Durable after a power loss: the data are on disk before the rename, and the renamed
+    entry (the directory) after it."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.isdir(f"/proc/self/fd/{fd}")
+                       if os.path.exists("/proc/self/fd") else None))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.fspath(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    save_state(tmp_path / "c.npz", [pytensor.shared(np.arange(3.0), name="a")])
+    assert [e[0] for e in events] == ["fsync", "replace", "fsync"]
+    assert events[1][1] == os.fspath(tmp_path / "c.npz")
+    if events[0][1] is not None:                # /proc tells a directory from a file
+        assert events[0][1] is False and events[2][1] is True
+
+
 # ------------------------------------------------------------------ hostile names and files
 
 
