@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["backend_of_value", "store_output", "to_host", "to_torch", "convert_error", "refcounts",
-           "BASE_REFCOUNT", "torch_device", "BACKEND_NAMES"]
+__all__ = ["backend_of_value", "store_output", "to_host", "to_torch", "convert_error",
+           "refcounts", "BASE_REFCOUNT", "torch_device", "BACKEND_NAMES"]
 
 #: How the docs and error messages name each backend.
 BACKEND_NAMES = {"c": "C", "numba": "NUMBA", "jax": "JAX", "pytorch": "PYTORCH",
