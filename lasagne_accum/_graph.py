@@ -32,7 +32,21 @@ if TYPE_CHECKING:
     from ._typing import LossOrGrads, Params, Scalar
 
 __all__ = ["get_or_compute_grads", "state_like", "scalar_state", "hyperparameter",
-           "accumulator_dtype", "as_host_array", "write_value"]
+           "accumulator_dtype", "as_host_array", "write_value", "sum_of_squares"]
+
+
+def sum_of_squares(x: Any, dtype: str) -> TensorVariable:
+    """``sum(sqr(cast(x, dtype)))``: the squared norm of `x`, summed in `dtype`.
+
+    Tagged so that the C and Numba modes of :func:`lasagne_accum.mode` compute it
+    with one vectorized loop (:class:`lasagne_accum._pytensor.sum_squares.SumSquares`);
+    other modes run PyTensor's own reduction.
+    """
+    from ._pytensor.sum_squares import TAG
+
+    out = pt.sqr(pt.cast(x, dtype)).sum()
+    setattr(out.tag, TAG, True)
+    return out
 
 
 def as_host_array(value: Any) -> np.ndarray:

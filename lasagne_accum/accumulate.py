@@ -34,7 +34,7 @@ from pytensor.compile.sharedvalue import SharedVariable
 
 from ._checks import check_params, param_label
 from ._graph import accumulator_dtype, get_or_compute_grads, guard_updates, hyperparameter, \
-    scalar_state, state_like
+    scalar_state, state_like, sum_of_squares
 from .constraints import total_norm_constraint
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ def squared_norm(grad: TensorVariable, param: SharedVariable, dtype: str) -> Ten
             all(i.type.ndim == 2 for i in node.inputs):
         a, b = (pt.cast(i, dtype) for i in node.inputs)
         return (pt.dot(a.T, a) * pt.dot(b, b.T)).sum()
-    return pt.sqr(pt.cast(grad, dtype)).sum()
+    return sum_of_squares(grad, dtype)
 
 
 class _GradientBuffer:

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pytensor.tensor as pt
 
+from ._graph import sum_of_squares
+
 if TYPE_CHECKING:
     from pytensor.tensor.variable import TensorVariable
 
@@ -172,7 +174,7 @@ def gradient_noise(accu: Accumulation | Any, population: int | None = None) -> G
     total = pt.cast(accumulation.total, dtype)
     safe_total = pt.switch(pt.gt(total, 0), total, np.ones((), dtype))
     mean_sq = accumulation.grad_sq / safe_total                          # A
-    window_sq = pt.add(*[pt.sqr(pt.cast(a, dtype)).sum() for a in accumulation.accumulators]) \
+    window_sq = pt.add(*[sum_of_squares(a, dtype) for a in accumulation.accumulators]) \
         / pt.sqr(safe_total)                                             # L
     if population is not None:
         from pytensor.raise_op import Assert

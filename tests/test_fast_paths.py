@@ -547,3 +547,83 @@ def test_float16_single_function_form_compiles_in_c():
         got[name] = W.get_value()
     assert got["ours"].dtype == np.float16
     np.testing.assert_array_equal(got["ours"], got["plain"])
+
+
+# ------------------------------------------------------------------ sums of squares
+
+
+def _sum_squares_nodes(fn):
+    from lasagne_accum._pytensor.sum_squares import SumSquares
+
+    return [n for n in fn.maker.fgraph.toposort() if isinstance(n.op, SumSquares)]
+
+
+def _reference_sum_squares(x, square):
+    """Each square rounded to `square`'s precision (numpy, elementwise), summed exactly in
+    float64 with math.fsum."""
+    import math
+
+    squares = np.square(np.asarray(x, dtype=square), dtype=square)
+    return math.fsum(float(v) for v in squares.ravel())
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype, dtype_sum", [("float32", "float32"), ("float32", "float64"),
+                                              ("float64", "float64")])
+def test_sum_of_squares_is_one_vectorized_op_and_exact(mode, dtype, dtype_sum):
+    """The tagged sum becomes SumSquares in our modes, on every layout and length (the
+    remainder loop included), equal to an exact float64 sum of the same squares; NaN and
+    infinity propagate; PyTensor's own mode keeps its reduction and the same value."""
+    from lasagne_accum._graph import sum_of_squares
+
+    rng = np.random.default_rng(3)
+    base = rng.standard_normal((37, 29)).astype(dtype) * 3
+    x = pt.matrix("x", dtype=dtype)
+    expr = sum_of_squares(x, dtype_sum)
+    fn = pytensor.function([x], expr, mode=la.mode(mode))
+    plain = pytensor.function([x], sum_of_squares(x, dtype_sum), mode=mode)
+    assert len(_sum_squares_nodes(fn)) == 1 and not _sum_squares_nodes(plain)
+    # a float32 array summed as float32 squares the elements in float32; cast to float64
+    # first, in float64
+    square = "float32" if dtype == "float32" and dtype_sum == "float32" else "float64"
+    # a float64 sum of n <= 1073 terms in any order: within n * 2**-53 of the exact sum;
+    # a float32 result: its own rounding
+    tol = 1.2e-13 if dtype_sum == "float64" else 6e-8
+    for case in (base, base.T, base[::2, 3:], base[:0], base[:1, :7]):
+        want = _reference_sum_squares(case, square)
+        got = float(fn(case))
+        assert got == pytest.approx(want, rel=tol, abs=1e-300), case.shape
+        assert float(plain(case)) == pytest.approx(want, rel=tol, abs=1e-300)
+    for bad, want in ((np.nan, np.isnan), (np.inf, np.isposinf)):
+        spoiled = base.copy()
+        spoiled[5, 7] = bad
+        assert want(float(fn(spoiled)))
+
+
+def test_only_tagged_sums_become_sum_squares():
+    """A user's own ``(x ** 2).sum()`` keeps PyTensor's reduction, in our modes too."""
+    x = pt.vector("x")
+    for mode in MODES:
+        fn = pytensor.function([x], pt.sqr(x).sum(), mode=la.mode(mode))
+        assert not _sum_squares_nodes(fn)
+
+
+def test_sum_squares_op_python_and_compiled_agree():
+    """perform() (the Python fallback), the C code and the Numba code on one array."""
+    from lasagne_accum._pytensor.sum_squares import SumSquares
+
+    x = pt.tensor3("x", dtype="float32")
+    value = np.random.default_rng(4).standard_normal((3, 5, 7)).astype("float32")
+    want = {sq: _reference_sum_squares(value, sq) for sq in ("float32", "float64")}
+    for square in ("float32", "float64"):
+        node = SumSquares(square)(x).owner
+        out = [[None]]
+        node.op.perform(node, [value], out)
+        assert float(out[0][0]) == pytest.approx(want[square], rel=2e-14)
+        for mode in ("CVM", "NUMBA"):
+            fn = pytensor.function([x], SumSquares(square)(x), mode=la.mode(mode))
+            assert float(fn(value)) == pytest.approx(want[square], rel=2e-14)
+    with pytest.raises(TypeError, match="float32 or float64"):
+        SumSquares()(pt.ivector())
+    with pytest.raises(TypeError, match="takes float32"):
+        SumSquares("float32")(pt.dvector())

@@ -1,6 +1,7 @@
 """The only code of lasagne_accum that touches PyTensor's internals.
 
-Everything here is private: custom ops (:mod:`.lazy_step`, :mod:`.gemm`),
+Everything here is private: custom ops (:mod:`.lazy_step`, :mod:`.gemm`,
+:mod:`.sum_squares`),
 graph rewrites, and fixes to PyTensor's C, JAX and PyTorch backends
 (:mod:`.literals`, and our linkers: :mod:`.jax_linker`, :mod:`.pytorch_linker`
 and :mod:`.host_linker`, beside what they share in :mod:`.linkers`). None of
@@ -118,9 +119,12 @@ def register_rewrites() -> None:
         return
     from pytensor.compile.mode import optdb
 
-    from . import gemm, lazy_step, literals
+    from . import gemm, lazy_step, literals, sum_squares
 
     c, numba = TAGS["c"], TAGS["numba"]
+    # before PyTensor rewrites anything (canonicalize, 1): the tagged sums as built
+    optdb.register("lasagne_accum_sum_squares", sum_squares.sum_squares(), c, numba,
+                   position=0.7)
     # before PyTensor inlines OpFromGraph nodes (-0.01): our window step stays one node
     optdb.register("lasagne_accum_lazy_step", lazy_step.to_lazy_step(), c, numba,
                    position=-0.02)
