@@ -29,6 +29,7 @@ the duration of each test; a test that passes a ``Mode`` object, ``"JAX"`` or
 ``"PYTORCH"`` keeps it.
 """
 
+import contextlib
 import fnmatch
 import os
 import sys
@@ -90,9 +91,10 @@ def _is_guide_page(node):
     return path.endswith(".rst") and os.path.dirname(os.path.abspath(path)) == _DOCS
 
 
-#: The modules that compile for real opt in to ``tools/fastcompile.py`` (precompiled
-#: headers, several C modules at a time: the same object code, compiled faster) with
-#: ``pytestmark = pytest.mark.usefixtures("fast_compiles")``; the guide's pages always do.
+#: Every test that compiles for real does so through ``tools/fastcompile.py``
+#: (precompiled headers, several C modules at a time: the same object code, compiled
+#: faster); a module-scoped fixture that compiles for real asks for it with
+#: ``pytestmark = pytest.mark.usefixtures("fast_compiles")`` in its module.
 #: ``LASAGNE_ACCUM_TEST_PCH=0`` and ``LASAGNE_ACCUM_TEST_JOBS=1`` compile as plain
 #: PyTensor does there too.
 _PCH = os.environ.get("LASAGNE_ACCUM_TEST_PCH", "1") != "0"
@@ -118,18 +120,33 @@ def fast_compiles():
     fastcompile.use_parallel_compile(1)
 
 
+@contextlib.contextmanager
+def _cheap_modes():
+    with pytest.MonkeyPatch.context() as patch:
+        for name in _SWAPPED:
+            patch.setitem(_pt_mode.predefined_modes, name, CHEAP_MODE)
+        with pytensor.config.change_flags(mode=CHEAP_MODE):   # mode=None
+            yield
+
+
 @pytest.fixture(autouse=True)
-def _cheap_compile_mode(request, monkeypatch):
+def _cheap_compile_mode(request):
     """Run the test's functions in ``CHEAP_MODE`` (see the module docstring)."""
     if _wants_real_backend(request):
-        if _is_guide_page(request.node):   # doctests take no usefixtures mark
+        if _is_guide_page(request.node):
             needs = _PAGE_NEEDS.get(os.path.basename(str(request.node.fspath)))
             if needs is not None:
                 pytest.importorskip(needs[0], reason=needs[1])
-            request.getfixturevalue("fast_compiles")
+        request.getfixturevalue("fast_compiles")
         yield
         return
-    for name in _SWAPPED:
-        monkeypatch.setitem(_pt_mode.predefined_modes, name, CHEAP_MODE)
-    with pytensor.config.change_flags(mode=CHEAP_MODE):   # mode=None
+    with _cheap_modes():
+        yield
+
+
+@pytest.fixture(scope="module")
+def cheap_modes():
+    """``CHEAP_MODE`` for what a module-scoped fixture compiles: such a fixture is set up
+    before the per-test swap above, so it asks for this one to get it."""
+    with _cheap_modes():
         yield

@@ -17,6 +17,6 @@ if [ -f "$rc" ]; then export PYTENSORRC="$rc:${PYTENSORRC:-$HOME/.pytensorrc}"; 
 # LASAGNE_ACCUM_TEST_WORKERS=0, or -n 0 among the arguments, runs them in this process)
 py="${VENV:-.venv}/bin/python"
 if "$py" -c "import xdist" >/dev/null 2>&1; then
-  set -- -n "${LASAGNE_ACCUM_TEST_WORKERS:-auto}" "$@"
+  set -- -n "${LASAGNE_ACCUM_TEST_WORKERS:-auto}" --dist worksteal "$@"
 fi
 exec "$py" -m pytest "$@"

@@ -114,7 +114,7 @@ MALFORMED = {
 
 
 @pytest.fixture(scope="module")
-def caller():
+def caller(cheap_modes):
     params = {"w": np.zeros((2, 3)), "b": np.zeros(3, np.float32), "v": np.zeros((), np.float32)}
     return ParameterServer(params, sgd, dict(learning_rate=0.1), shards=ALL_SHARDS, mode="async")
 

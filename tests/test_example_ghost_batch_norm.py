@@ -19,15 +19,13 @@ pytest.importorskip("sklearn")
 
 import ghost_batch_norm  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")   # tools/fastcompile.py
-
 B, K, EPOCHS, TRAIN, LR = 16, 4, 2, 100, 0.05
 ROW = re.compile(r"^(small|large exact|large ghost|large ghost long) +(\d+)x(\d+) +(\d+) +(\S+) +"
                  r"(\d+) +(\d+)" + r" +(\S+)" * 7 + "$", re.M)
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, cheap_modes):
     out = tmp_path_factory.mktemp("ghost")
     result = ghost_batch_norm.main(
         ["--quick", "--no-progress", "--mode", "CVM", "--out", str(out), "--seeds", "1",
