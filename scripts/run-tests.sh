@@ -2,7 +2,8 @@
 # Set up .venv (with every optional backend: JAX, PyTorch, Dask, so that no test is
 # skipped), then run the whole test suite (unit, property, backend and doctests).
 # Extra arguments go to pytest (for example -x, -k adam, or -m "not slow" for the
-# quick subset). The tests run in parallel, one process per core. Most tests run with PyTensor's Python implementations (nothing
+# quick subset; two marked groups run only when -m names them: -m ci, the CI-only
+# group, and -m bench, the benchmark scripts' quick runs). The tests run in parallel, one process per core. Most tests run with PyTensor's Python implementations (nothing
 # to compile); tests/test_backends.py compiles under C, Numba, JAX and PyTorch
 # (the root conftest.py says how; LASAGNE_ACCUM_TEST_MODE=real compiles everything).
 set -euo pipefail
@@ -14,9 +15,10 @@ cd "$ROOT"
 rc="${VENV:-.venv}/pytensorrc"; case "$rc" in /*) ;; *) rc="$ROOT/$rc" ;; esac
 if [ -f "$rc" ]; then export PYTENSORRC="$rc:${PYTENSORRC:-$HOME/.pytensorrc}"; fi
 # the tests are independent: spread them over the cores (pytest-xdist, in the test extra;
-# LASAGNE_ACCUM_TEST_WORKERS=0, or -n 0 among the arguments, runs them in this process)
+# LASAGNE_ACCUM_TEST_WORKERS=0, or -n 0 among the arguments, runs them in this process);
+# the tests of a module with a costly module-scoped fixture stay in one worker (conftest.py)
 py="${VENV:-.venv}/bin/python"
 if "$py" -c "import xdist" >/dev/null 2>&1; then
-  set -- -n "${LASAGNE_ACCUM_TEST_WORKERS:-auto}" --dist worksteal "$@"
+  set -- -n "${LASAGNE_ACCUM_TEST_WORKERS:-auto}" --dist loadgroup "$@"
 fi
 exec "$py" -m pytest "$@"

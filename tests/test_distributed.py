@@ -1022,7 +1022,7 @@ def test_server_keeps_the_averages_of_a_single_process_run(backend, mode, tmp_pa
     ema_kwargs = dict(decay=0.8)
     result = train(build_model, [batches], sgd, dict(learning_rate=0.1), mode=mode,
                    backend=backend, model_average=ma_kwargs, ema=ema_kwargs,
-                   checkpoint=Checkpoint(to=tmp_path / "server.npz"))
+                   checkpoint=Checkpoint(to=tmp_path / "server.npz"), compile_mode="CVM")
     want_ma, want_ema = _averaged_reference(batches, 0.1, ma_kwargs, ema_kwargs)
     assert set(result.averaged_params) == set(want_ma) == set(result.params)
     for name in want_ma:

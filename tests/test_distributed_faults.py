@@ -47,11 +47,17 @@ def slow_batches(seed, n, delay):
 
 
 def _alive(pid):
+    """True while `pid` runs: a killed process its parent has not reaped yet (a zombie)
+    is not alive."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:     # "pid (name) state ..."
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):              # no /proc: the signal found it
+        return True
 
 
 @pytest.fixture

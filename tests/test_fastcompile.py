@@ -390,6 +390,9 @@ def _modules(compiledir):
     return found
 
 
+# ci: every test that compiles for real, and the demo, compile through the parallel jobs
+# and check their numbers; this one compares the object code, four cold compiles
+@pytest.mark.ci
 @needs_gxx
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="needs binutils' objdump")
 def test_parallel_compile_gives_the_modules_a_one_by_one_compile_gives(tmp_path):
