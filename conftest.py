@@ -76,31 +76,14 @@ _OPT_IN = ("bench", "ci")
 def pytest_collection_modifyitems(config, items):
     expression = config.getoption("markexpr") or ""
     left_out = [m for m in _OPT_IN if not re.search(rf"\b{m}\b", expression)]
-    kept = [item for item in items
-            if not any(item.get_closest_marker(m) for m in left_out)]
-    if len(kept) < len(items):
-        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
-        items[:] = kept
+    dropped = [item for item in items if any(item.get_closest_marker(m) for m in left_out)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        gone = set(map(id, dropped))
+        items[:] = [item for item in items if id(item) not in gone]
     for item in items:
         if getattr(item, "originalname", item.name) in _SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
-        group = _module_fixture_group(item) if config.pluginmanager.hasplugin("xdist") else None
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
-
-
-def _module_fixture_group(item):
-    """The test's module when the test uses a module-scoped fixture of that module (a
-    cluster, a subprocess probe, an example's run): ``scripts/run-tests.sh`` runs such a
-    module's tests in one xdist worker (``--dist loadgroup``), so that the fixture is set
-    up once, not once per worker."""
-    info = getattr(item, "_fixtureinfo", None)
-    module = item.nodeid.split("::")[0]
-    for name in getattr(info, "names_closure", ()):
-        defs = info.name2fixturedefs.get(name)
-        if defs and defs[-1].scope == "module" and defs[-1].baseid == module:
-            return module
-    return None
 
 
 def _wants_real_backend(request):

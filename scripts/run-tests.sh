@@ -16,9 +16,10 @@ rc="${VENV:-.venv}/pytensorrc"; case "$rc" in /*) ;; *) rc="$ROOT/$rc" ;; esac
 if [ -f "$rc" ]; then export PYTENSORRC="$rc:${PYTENSORRC:-$HOME/.pytensorrc}"; fi
 # the tests are independent: spread them over the cores (pytest-xdist, in the test extra;
 # LASAGNE_ACCUM_TEST_WORKERS=0, or -n 0 among the arguments, runs them in this process);
-# the tests of a module with a costly module-scoped fixture stay in one worker (conftest.py)
+# a module's tests stay in one worker, which sets up its module-scoped fixtures (a Dask
+# cluster, a subprocess probe, an example's run, compiled references) once
 py="${VENV:-.venv}/bin/python"
 if "$py" -c "import xdist" >/dev/null 2>&1; then
-  set -- -n "${LASAGNE_ACCUM_TEST_WORKERS:-auto}" --dist loadgroup "$@"
+  set -- -n "${LASAGNE_ACCUM_TEST_WORKERS:-auto}" --dist loadfile "$@"
 fi
 exec "$py" -m pytest "$@"
