@@ -62,7 +62,7 @@ class SumSquares(COp):
         squares = np.square(inputs[0], dtype=self.square)
         outputs[0][0] = np.asarray(np.sum(squares, dtype=np.float64))
 
-    def infer_shape(self, fgraph, node, shapes):
+    def infer_shape(self, *args):   # (fgraph, node, shapes); PyTensor 3.3: (node, shapes)
         return [()]
 
     def c_code_cache_version(self):
