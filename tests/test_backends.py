@@ -23,8 +23,6 @@ import pytest
 
 import lasagne_accum as la
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")   # tools/fastcompile.py
-
 RULES = {
     "sgd": dict(learning_rate=0.1),
     "momentum": dict(learning_rate=0.1, momentum=0.9),

@@ -24,7 +24,7 @@ needs_jax = pytest.mark.skipif(importlib.util.find_spec("jax") is None,
                                reason="jax not installed")
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
                                  reason="torch not installed")
-pytestmark = [pytest.mark.real_backend, pytest.mark.usefixtures("fast_compiles")]
+pytestmark = pytest.mark.real_backend
 
 
 def _regression(shape, dtype="float64", seed=0, name="W"):

@@ -18,8 +18,6 @@ from pytensor.tensor.blas import Gemm, gemm_no_inplace
 import lasagne_accum as la
 from lasagne_accum._pytensor.lazy_step import LazyStep
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 DTYPES = ["float32", "float64"]
 MODES = ["NUMBA", "CVM"]
 TOL = {"float32": 2e-6, "float64": 1e-14}
