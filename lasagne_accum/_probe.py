@@ -1,8 +1,8 @@
 """The measurement behind :func:`lasagne_accum.default_modes`, run in a process of its own.
 
-``python -m lasagne_accum._probe`` reads a JSON request on standard input
-(``{"dtypes": [...], "blas__ldflags": ...}``) and writes one JSON answer on
-standard output: for each dtype, milliseconds per call of an accumulate step
+``python -m lasagne_accum._probe`` reads a JSON request, one line on standard
+input (``{"dtypes": [...], "blas__ldflags": ..., "handshake": false}``), and
+writes one JSON answer on standard output: for each dtype, milliseconds per call of an accumulate step
 and an apply step compiled under C and under Numba (through
 :func:`lasagne_accum.mode`, as the library compiles them), and the BLAS
 libraries the process loaded before and after the C step first ran (the C
@@ -10,6 +10,11 @@ backend's own BLAS is the difference). A process of its own, so that the
 measurement sees neither the caller's compiled functions nor its test-suite
 patches of PyTensor's mode names, and so that the BLAS the C backend loads
 can be told from NumPy's and SciPy's.
+
+With ``"handshake": true`` the probe compiles everything first, writes the line
+``compiled`` and waits for a line on standard input before it times anything:
+the caller compiles the probes of several dtypes in parallel processes and has
+them time one after another, each on a quiet machine.
 
 The two steps are small versions of what :func:`compile_accumulation`
 compiles: the accumulate step is two dense layers' forward pass and their
@@ -81,17 +86,16 @@ def _per_call(fn, args):
     return (time.perf_counter() - start) / CALLS
 
 
-def measure(dtype):
-    """``{step: {"CVM": ms, "NUMBA": ms}}``, plus an ``"error"`` per backend that failed to
+def compile_steps(dtype):
+    """Each step compiled under each backend and called three times: ``{step: (fns,
+    errors, args)}``, ``fns`` by backend and ``errors`` for a backend that failed to
     compile (the other backend then wins)."""
-    import statistics
-
     import pytensor
 
     import lasagne_accum as la
 
     steps, x = _steps(dtype)
-    result = {}
+    compiled = {}
     for step in STEPS:
         inputs, updates = steps[step]
         args = (x,) if inputs else ()
@@ -104,6 +108,18 @@ def measure(dtype):
                 fns[backend] = fn
             except Exception as exc:  # a missing compiler, a Numba failure: the other wins
                 errors[backend] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        compiled[step] = (fns, errors, args)
+    return compiled
+
+
+def time_steps(compiled):
+    """``{step: {"CVM": ms, "NUMBA": ms}}`` (medians), plus an ``"error"`` per backend
+    that failed to compile."""
+    import statistics
+
+    result = {}
+    for step in STEPS:
+        fns, errors, args = compiled[step]
         times = {b: [] for b in fns}
         for _ in range(BLOCKS):
             for backend, fn in fns.items():
@@ -115,6 +131,11 @@ def measure(dtype):
             entry["error"] = errors
         result[step] = entry
     return result
+
+
+def measure(dtype):
+    """:func:`compile_steps`, then :func:`time_steps`."""
+    return time_steps(compile_steps(dtype))
 
 
 def _roles(before, after):
@@ -135,7 +156,7 @@ def _roles(before, after):
 
 
 def main():
-    request = json.load(sys.stdin)
+    request = json.loads(sys.stdin.readline())
     import numpy  # noqa: F401  NumPy's BLAS
     import pytensor
     import scipy.linalg.cython_blas  # noqa: F401  SciPy's BLAS: what Numba's dot calls
@@ -144,10 +165,14 @@ def main():
         pytensor.config.blas__ldflags = request["blas__ldflags"]
     before = libraries()
     answer = {"dtypes": {}, "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
-    for i, dtype in enumerate(request["dtypes"]):
-        answer["dtypes"][dtype] = measure(dtype)
-        if i == 0:  # the C step of the first dtype has loaded the C backend's BLAS
-            answer["libraries"] = _roles(before, libraries())
+    compiled = {dtype: compile_steps(dtype) for dtype in request["dtypes"]}
+    # the C step of the first dtype has loaded the C backend's BLAS
+    answer["libraries"] = _roles(before, libraries())
+    if request.get("handshake"):
+        print("compiled", flush=True)
+        sys.stdin.readline()
+    for dtype in request["dtypes"]:
+        answer["dtypes"][dtype] = time_steps(compiled[dtype])
     json.dump(answer, sys.stdout)
 
 

@@ -6,7 +6,7 @@ older than the CPU falls back to generic kernels and runs several times
 slower), while Numba calls SciPy's BLAS. :func:`measured_modes` times a small
 accumulate step and apply step under both backends once per machine,
 PyTensor release, BLAS and dtype (:mod:`lasagne_accum._probe`, in a process of
-its own, a few seconds on a cold compile cache), and keeps the result in a
+its own, about half a minute on a cold compile cache), and keeps the result in a
 JSON file beside PyTensor's compile directory. :func:`show_config` (and
 ``python -m lasagne_accum``) prints the BLAS each backend runs, with its
 kernel, and what :func:`~lasagne_accum.default_modes` picked and why.
@@ -201,18 +201,82 @@ def _write(path: str, data: dict[str, Any]) -> None:
 
 
 def _probe(dtypes: list[str]) -> dict[str, Any]:
-    """Run :mod:`lasagne_accum._probe` in a child process (the caller's environment)."""
+    """Run :mod:`lasagne_accum._probe` in child processes (the caller's environment).
+
+    One process per dtype, all compiling at once; then each times its steps in
+    turn while the others wait, so that no timing shares the machine with a
+    compile. Answers ``{"dtypes": {dtype: entry}, "libraries": [...], "load": x}``
+    and, for a dtype whose process failed, ``"errors": {dtype: why}``; raises
+    RuntimeError when every process failed.
+    """
+    import tempfile
+
     import pytensor
 
-    request = {"dtypes": dtypes, "blas__ldflags": pytensor.config.blas__ldflags}
-    done = subprocess.run([sys.executable, "-m", "lasagne_accum._probe"],
-                          input=json.dumps(request), capture_output=True, text=True,
-                          timeout=600, cwd=os.path.dirname(os.path.dirname(
-                              os.path.abspath(__file__))))
-    if done.returncode:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"the probe exited with status {done.returncode}: {tail}")
-    return json.loads(done.stdout)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    children = []
+    with contextlib.ExitStack() as stack:
+        for dtype in dtypes:
+            log = stack.enter_context(tempfile.TemporaryFile("w+"))
+            child = subprocess.Popen([sys.executable, *PROBE_ARGS],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=log, text=True, cwd=here)
+            stack.callback(_stop, child)
+            request = {"dtypes": [dtype], "blas__ldflags": pytensor.config.blas__ldflags,
+                       "handshake": True}
+            assert child.stdin is not None  # stdin=PIPE
+            child.stdin.write(json.dumps(request) + "\n")
+            child.stdin.flush()
+            children.append((dtype, child, log))
+        ready = {dtype: _compiled(child) for dtype, child, _ in children}
+        answer: dict[str, Any] = {"dtypes": {}, "errors": {}}
+        for dtype, child, log in children:
+            try:
+                if not ready[dtype]:
+                    child.wait(timeout=PROBE_TIMEOUT)
+                    raise ValueError("no answer")
+                out, _ = child.communicate("go\n", timeout=PROBE_TIMEOUT)
+                if child.returncode:
+                    raise ValueError("no answer")
+                one = json.loads(out)
+                answer["dtypes"][dtype] = one["dtypes"][dtype]
+            except (OSError, ValueError, KeyError, TypeError, subprocess.TimeoutExpired):
+                log.seek(0)
+                tail = (log.read().strip().splitlines() or ["no output"])[-1]
+                answer["errors"][dtype] = (f"the probe exited with status {child.returncode}:"
+                                           f" {tail}")
+                continue
+            if "libraries" not in answer:
+                answer["libraries"], answer["load"] = one.get("libraries"), one.get("load")
+    if not answer["dtypes"]:
+        raise RuntimeError("; ".join(answer["errors"].values()))
+    return answer
+
+
+#: seconds a probe process may take to compile, and then to time
+PROBE_TIMEOUT = 600
+#: the probe's command line after the interpreter
+PROBE_ARGS = ("-m", "lasagne_accum._probe")
+
+
+def _compiled(child: subprocess.Popen) -> bool:
+    """Wait for the probe's ``compiled`` line; False if it exits or stays silent."""
+    import selectors
+
+    out = child.stdout
+    assert out is not None  # stdout=PIPE
+    with selectors.DefaultSelector() as selector:
+        selector.register(out, selectors.EVENT_READ)
+        if not selector.select(timeout=PROBE_TIMEOUT):
+            return False
+    return out.readline().strip() == "compiled"
+
+
+def _stop(child: subprocess.Popen) -> None:
+    """End a probe process that is still running (an error or a timeout left it)."""
+    if child.poll() is None:
+        child.kill()
+        child.wait()
 
 
 def _choose(dtype: str, entry: dict[str, Any], path: str | None,
@@ -273,43 +337,63 @@ def measured_modes(dtype: str | None = None, *, remeasure: bool = False) -> Mode
     """
     import pytensor
 
-    dtype = dtype or pytensor.config.floatX
-    if dtype not in DTYPES:
-        raise ValueError(f"default_modes(): dtype must be one of {DTYPES}, got {dtype!r}")
+    return _measured([dtype or pytensor.config.floatX], remeasure)[0]
+
+
+def _measured(dtypes: list[str], remeasure: bool = False) -> list[ModeChoice]:
+    """:func:`measured_modes` of each of `dtypes`; those not kept are measured together
+    (their probes compile in parallel, see :func:`_probe`)."""
+    for dtype in dtypes:
+        if dtype not in DTYPES:
+            raise ValueError(f"default_modes(): dtype must be one of {DTYPES}, got {dtype!r}")
     key = machine_key()
     path = cache_path(key)
-    kept: str | None = path
-    memo_key = (path, dtype)
     with _lock:
-        if not remeasure and memo_key in _memo:
-            return _memo[memo_key]
-        lock = _file_lock(path)
-        with lock:
-            data = _read(path, key)
-            if remeasure:
-                data.get("dtypes", {}).pop(dtype, None)
-            if dtype not in data.get("dtypes", {}):
-                try:
-                    answer = _probe([dtype])
-                except (OSError, RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
-                    _memo[memo_key] = _fallback(dtype, str(exc))
-                    return _memo[memo_key]
-                entry = answer.get("dtypes", {}).get(dtype)
-                if not _valid_times(entry):
-                    _memo[memo_key] = _fallback(dtype, "the probe gave no timings")
-                    return _memo[memo_key]
-                data = {"key": key, "dtypes": {**data.get("dtypes", {}), dtype: entry},
-                        "libraries": answer.get("libraries") or data.get("libraries", []),
-                        "load": answer.get("load")}
-                try:
-                    _write(path, data)
-                except OSError:
-                    kept = None  # a read-only compile directory: kept for this process only
-        load = data.get("load")
-        _memo[memo_key] = replace(
-            _choose(dtype, data["dtypes"][dtype], kept, data.get("libraries", [])),
-            load=float(load) if isinstance(load, (int, float)) else None)
-        return _memo[memo_key]
+        missing = [d for d in dtypes if remeasure or (path, d) not in _memo]
+        if missing:
+            with _file_lock(path):
+                _measure_into_memo(missing, key, path, remeasure)
+        return [_memo[(path, d)] for d in dtypes]
+
+
+def _measure_into_memo(dtypes: list[str], key: dict[str, Any], path: str,
+                       remeasure: bool) -> None:
+    """Read the kept measurement, probe the dtypes it lacks, keep what was measured and
+    put each dtype's choice (or the fallback, with the reason) into the memo."""
+    kept: str | None = path
+    data = _read(path, key)
+    if remeasure:
+        for dtype in dtypes:
+            data.get("dtypes", {}).pop(dtype, None)
+    todo = [d for d in dtypes if d not in data.get("dtypes", {})]
+    if todo:
+        try:
+            answer = _probe(todo)
+        except (OSError, RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
+            answer = {"errors": {d: str(exc) for d in todo}}
+        errors = answer.get("errors") or {}
+        got = {}
+        for dtype in todo:
+            entry = (answer.get("dtypes") or {}).get(dtype)
+            if _valid_times(entry):
+                got[dtype] = entry
+            else:
+                _memo[(path, dtype)] = _fallback(
+                    dtype, errors.get(dtype, "the probe gave no timings"))
+        if got:
+            data = {"key": key, "dtypes": {**data.get("dtypes", {}), **got},
+                    "libraries": answer.get("libraries") or data.get("libraries", []),
+                    "load": answer.get("load")}
+            try:
+                _write(path, data)
+            except OSError:
+                kept = None  # a read-only compile directory: kept for this process only
+    load = data.get("load")
+    for dtype in dtypes:
+        if dtype in data.get("dtypes", {}):
+            _memo[(path, dtype)] = replace(
+                _choose(dtype, data["dtypes"][dtype], kept, data.get("libraries", [])),
+                load=float(load) if isinstance(load, (int, float)) else None)
 
 
 def _file_lock(path: str):
@@ -408,7 +492,7 @@ def report_lines(dtypes: tuple[str, ...] = DTYPES) -> tuple[list[str], list[str]
              f"compiledir {pytensor.config.compiledir}",
              f"PyTensor blas__ldflags: {pytensor.config.blas__ldflags!r}"]
     warnings: list[str] = []
-    choices = [measured_modes(d) for d in dtypes]
+    choices = _measured(list(dtypes))
     libs = blas_libraries(choices[0].libraries)
     lines.append("BLAS:")
     c_libs = [lib for lib in libs if lib["role"] == "C backend"]
@@ -480,8 +564,9 @@ def show_config(file: Any = None) -> list[str]:
 
     Notes
     -----
-    The first call on a machine measures the default modes (a few seconds; see
-    :func:`measured_modes`); later calls read the kept measurement.
+    The first call on a machine measures the default modes of both dtypes (about
+    half a minute, their probes compiling in parallel; see :func:`measured_modes`);
+    later calls read the kept measurement.
 
     Examples
     --------

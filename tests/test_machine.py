@@ -76,6 +76,26 @@ def test_measured_once_then_read_from_the_kept_file(compiledir):
         assert set(json.load(f)["dtypes"]) == {"float32", "float64"}
 
 
+def test_the_report_measures_its_dtypes_together(compiledir, monkeypatch):
+    """The report asks for both dtypes at once (one probe call, processes in parallel);
+    a dtype whose process failed gets the fallback with the reason, the other is kept."""
+    def probe(dtypes):
+        compiledir.calls.append(list(dtypes))
+        return {"dtypes": {"float32": _entry(1.0, 2.0, 3.0, 1.0)},
+                "errors": {"float64": "the probe exited with status 1: boom"},
+                "libraries": [], "load": 0.25}
+
+    monkeypatch.setattr(machine, "_probe", probe)
+    f32, f64 = machine._measured(["float32", "float64"])
+    assert compiledir.calls == [["float32", "float64"]]
+    assert f32.modes == ("CVM", "NUMBA") and f32.load == 0.25
+    assert "not measured" in f64.reason and "boom" in f64.reason and f64.path is None
+    machine._memo.clear()                                      # another process
+    assert machine.measured_modes("float32") == f32            # read from the file
+    machine.measured_modes("float64")                          # measured again
+    assert compiledir.calls == [["float32", "float64"], ["float64"]]
+
+
 @pytest.mark.parametrize("damage", ["not json {", '["a list"]', "other key",
                                     "negative time", "nan time", "missing step"])
 def test_an_unreadable_or_stale_file_is_measured_again(compiledir, damage):
@@ -214,11 +234,7 @@ def test_blas_summary_is_one_line_per_run(compiledir):
 def test_the_real_probe_picks_the_faster_of_what_it_measured():
     """The probe in its child process: timings for both backends and both steps, the C
     backend's BLAS among the libraries where one is linked, and the choice their argmin."""
-    request = json.dumps({"dtypes": ["float32"],
-                          "blas__ldflags": pytensor.config.blas__ldflags})
-    done = subprocess.run([sys.executable, "-m", "lasagne_accum._probe"], input=request,
-                          capture_output=True, text=True, timeout=600, check=True)
-    answer = json.loads(done.stdout)
+    answer = machine._probe(["float32"])
     entry = answer["dtypes"]["float32"]
     assert machine._valid_times(entry)
     for step in ("accumulate", "apply"):
@@ -228,3 +244,68 @@ def test_the_real_probe_picks_the_faster_of_what_it_measured():
         assert entry[step][picked] == min(entry[step]["CVM"], entry[step]["NUMBA"])
     roles = {lib["role"] for lib in answer["libraries"]}
     assert "NumPy" in roles
+
+
+_FAKE_PROBE = """
+import json, sys, time
+request = json.loads(sys.stdin.readline())
+(dtype,) = request["dtypes"]
+assert request["handshake"]
+if dtype == "float64":
+    sys.stderr.write("warnings first\\nboom: no compiler\\n")
+    sys.exit(1)
+started = time.time()
+time.sleep(0.5)                                   # compiling
+print("compiled", flush=True)
+sys.stdin.readline()
+timing = time.time()
+time.sleep(0.3)                                   # timing
+entry = {"accumulate": {"CVM": 1.0, "NUMBA": 2.0}, "apply": {"CVM": 1.0, "NUMBA": 2.0},
+         "clock": [started, timing, time.time()]}
+json.dump({"dtypes": {dtype: entry}, "libraries": [], "load": 0.5}, sys.stdout)
+"""
+
+
+def test_probes_compile_together_and_time_one_after_another(tmp_path, monkeypatch):
+    """Each dtype's probe process compiles while the others do; the timings run one
+    process at a time; a failed process is an error for its dtype alone."""
+    script = tmp_path / "fake_probe.py"
+    script.write_text(_FAKE_PROBE)
+    # two float32 requests through one fake: the dtype is only a label here
+    monkeypatch.setattr(machine, "PROBE_ARGS", (str(script),))
+    first = machine._probe(["float32"])["dtypes"]["float32"]["clock"]
+    second = machine._probe(["float32"])["dtypes"]["float32"]["clock"]
+    assert second[0] > first[2]                     # one by one when called one by one
+
+    calls = []
+    real_popen = subprocess.Popen
+
+    def popen(args, **kwargs):
+        calls.append(args)
+        return real_popen(args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    answer = machine._probe(["float32", "float64"])
+    assert len(calls) == 2
+    assert set(answer["dtypes"]) == {"float32"}
+    assert answer["errors"]["float64"] == "the probe exited with status 1: boom: no compiler"
+    assert answer["load"] == 0.5
+
+
+def test_probes_compile_in_parallel(tmp_path, monkeypatch):
+    script = tmp_path / "fake_probe.py"
+    script.write_text(_FAKE_PROBE.replace('if dtype == "float64"', "if False"))
+    monkeypatch.setattr(machine, "PROBE_ARGS", (str(script),))
+    answer = machine._probe(["float32", "float64"])
+    (s1, t1, e1), (s2, t2, e2) = (answer["dtypes"][d]["clock"] for d in ("float32", "float64"))
+    assert max(s1, s2) < min(t1, t2)                # both compiled before either timed
+    assert t2 >= e1                                 # the second timed after the first ended
+    assert "errors" not in answer or not answer["errors"]
+
+
+def test_every_probe_failing_is_an_error(tmp_path, monkeypatch):
+    script = tmp_path / "fake_probe.py"
+    script.write_text("import sys; sys.stderr.write('no numpy'); sys.exit(2)")
+    monkeypatch.setattr(machine, "PROBE_ARGS", (str(script),))
+    with pytest.raises(RuntimeError, match="status 2: no numpy"):
+        machine._probe(["float32", "float64"])
