@@ -360,18 +360,21 @@ _PARALLEL_SCRIPT = textwrap.dedent("""
 
     x, w = pt.dmatrix("x"), pt.dmatrix("w")
     h = pt.tanh(x @ w)
-    loss = -pt.log(pt.special.softmax(h, axis=1)[:, 0]).mean() + 0.01 * (w ** 2).sum()
-    outs = [loss, pytensor.grad(loss, w), h.max(axis=0), h.argmax(axis=1), h.cumsum(axis=0)]
-    f = pytensor.function([x, w], outs, mode="CVM")
     rng = np.random.default_rng(0)
     X, W = rng.normal(size=(5, 3)), rng.normal(size=(3, 4))
-    # numpy: H = tanh(XW), S = softmax(H), loss = -mean_i log S_i0 + 0.01 |W|^2
     H = np.tanh(X @ W)
-    S = np.exp(H - H.max(1, keepdims=True))
-    S /= S.sum(1, keepdims=True)
-    dH = -(np.eye(4)[0] - S) / len(X)
-    refs = [-np.log(S[:, 0]).mean() + 0.01 * (W ** 2).sum(), X.T @ (dH * (1 - H ** 2)) + 0.02 * W,
-            H.max(0), H.argmax(1), H.cumsum(0)]
+    if case in ("first-job-fails", "unused-job", "mismatch"):   # a few modules are enough
+        outs, refs = [h, h.sum(axis=0)], [H, H.sum(0)]
+    else:
+        loss = -pt.log(pt.special.softmax(h, axis=1)[:, 0]).mean() + 0.01 * (w ** 2).sum()
+        outs = [loss, pytensor.grad(loss, w), h.max(axis=0), h.argmax(axis=1), h.cumsum(axis=0)]
+        # numpy: H = tanh(XW), S = softmax(H), loss = -mean_i log S_i0 + 0.01 |W|^2
+        S = np.exp(H - H.max(1, keepdims=True))
+        S /= S.sum(1, keepdims=True)
+        dH = -(np.eye(4)[0] - S) / len(X)
+        refs = [-np.log(S[:, 0]).mean() + 0.01 * (W ** 2).sum(),
+                X.T @ (dH * (1 - H ** 2)) + 0.02 * W, H.max(0), H.argmax(1), H.cumsum(0)]
+    f = pytensor.function([x, w], outs, mode="CVM")
     errors = [float(np.max(np.abs(np.asarray(o) - r))) for o, r in zip(f(X, W), refs)]
     print(json.dumps({"counts": compiling.counts, "errors": errors,
                       "pending": len(compiling._pending), "left": left(), **seen}))
