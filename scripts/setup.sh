@@ -70,9 +70,13 @@ if [ "$have_meta" != "$meta" ] || [ -n "$missing" ]; then
   [ "$have_meta" = "$meta" ] || have_extras=""
   all="$(echo "$have_extras,$EXTRAS" | tr ',' '\n' | sed '/^$/d' | sort -u | paste -sd, -)"
   echo "setup: installing lasagne_accum[$all] into $VENV" >&2
-  # --no-compile: Python writes the .pyc of what is imported at first import, instead of
-  # pip byte-compiling every file of torch, JAX and Dask at install (67 s -> 28 s here)
   "$VENV/bin/python" -m pip install -q --no-compile -e ".[$all]"
+  # byte-compile what was installed, on every core (pip compiles file by file): without
+  # the .pyc files, every process of the tests, the examples and Dask's workers compiles
+  # torch's, JAX's and PyTensor's sources again at import wherever Python does not write
+  # them itself (PYTHONDONTWRITEBYTECODE, a read-only folder)
+  site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  "$VENV/bin/python" -m compileall -q -j 0 "$site" lasagne_accum >/dev/null 2>&1 || true
   printf '%s\n%s\n' "$meta" "$all" > "$stamp"
 fi
 
