@@ -70,13 +70,9 @@ if [ "$have_meta" != "$meta" ] || [ -n "$missing" ]; then
   [ "$have_meta" = "$meta" ] || have_extras=""
   all="$(echo "$have_extras,$EXTRAS" | tr ',' '\n' | sed '/^$/d' | sort -u | paste -sd, -)"
   echo "setup: installing lasagne_accum[$all] into $VENV" >&2
+  # --no-compile: pip would byte-compile every file of torch, JAX and Dask, one by one;
+  # the BLAS check below writes the .pyc files of what it imports instead
   "$VENV/bin/python" -m pip install -q --no-compile -e ".[$all]"
-  # byte-compile what was installed, on every core (pip compiles file by file): without
-  # the .pyc files, every process of the tests, the examples and Dask's workers compiles
-  # torch's, JAX's and PyTensor's sources again at import wherever Python does not write
-  # them itself (PYTHONDONTWRITEBYTECODE, a read-only folder)
-  site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-  "$VENV/bin/python" -m compileall -q -j 0 "$site" lasagne_accum >/dev/null 2>&1 || true
   printf '%s\n%s\n' "$meta" "$all" > "$stamp"
 fi
 
@@ -90,9 +86,15 @@ esac
 checked="$VENV/.lasagne_accum-blas"   # the choice and package metadata it was checked for
 if [ "$(cat "$checked" 2>/dev/null)" != "$blas_choice $meta" ]; then
   [ "$blas_choice" = mkl ] || rm -f "$rc"
+  # The report imports PyTensor, Numba, SciPy, JAX and PyTorch: it writes their .pyc files
+  # into $VENV (as pip's byte-compiling would have) even where PYTHONDONTWRITEBYTECODE is
+  # set, so that later processes (the tests', the examples', Dask's workers) do not compile
+  # those sources again at each import.
   report() {
-    if [ -f "$rc" ]; then PYTENSORRC="$rc:${PYTENSORRC:-$HOME/.pytensorrc}" "$VENV/bin/python" -m lasagne_accum
-    else "$VENV/bin/python" -m lasagne_accum; fi
+    if [ -f "$rc" ]; then
+      PYTENSORRC="$rc:${PYTENSORRC:-$HOME/.pytensorrc}" env -u PYTHONDONTWRITEBYTECODE \
+        "$VENV/bin/python" -m lasagne_accum
+    else env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" -m lasagne_accum; fi
   }
   verdict=0
   if [ "$blas_choice" != mkl ]; then
