@@ -19,6 +19,11 @@ if [ -f "$rc" ]; then export PYTENSORRC="$rc:${PYTENSORRC:-$HOME/.pytensorrc}"; 
 # a module's tests stay in one worker, which sets up its module-scoped fixtures (a Dask
 # cluster, a subprocess probe, an example's run, compiled references) once
 py="${VENV:-.venv}/bin/python"
+# the suite starts many Python processes (xdist's workers, Dask's, the examples', the
+# import probes'): let the first import of a module write its .pyc (into the venv and
+# the checkout's __pycache__ folders, which git ignores), or under PYTHONDONTWRITEBYTECODE
+# every one of them compiles the sources of Dask, torch and the rest again
+unset PYTHONDONTWRITEBYTECODE
 if "$py" -c "import xdist" >/dev/null 2>&1; then
   set -- -n "${LASAGNE_ACCUM_TEST_WORKERS:-auto}" --dist loadfile "$@"
 fi
