@@ -232,8 +232,8 @@ def _probe(dtypes: list[str]) -> dict[str, Any]:
         answer: dict[str, Any] = {"dtypes": {}, "errors": {}}
         for dtype, child, log in children:
             try:
-                if not ready[dtype]:
-                    child.wait(timeout=PROBE_TIMEOUT)
+                if not ready[dtype]:   # it exited, or stayed silent for PROBE_TIMEOUT
+                    _stop(child)
                     raise ValueError("no answer")
                 out, _ = child.communicate("go\n", timeout=PROBE_TIMEOUT)
                 if child.returncode:
@@ -260,16 +260,15 @@ PROBE_ARGS = ("-m", "lasagne_accum._probe")
 
 
 def _compiled(child: subprocess.Popen) -> bool:
-    """Wait for the probe's ``compiled`` line; False if it exits or stays silent."""
-    import selectors
-
+    """Wait for the probe's ``compiled`` line; False if it exits or stays silent for
+    :data:`PROBE_TIMEOUT` (a thread reads it: ``select`` takes no pipes on Windows)."""
     out = child.stdout
     assert out is not None  # stdout=PIPE
-    with selectors.DefaultSelector() as selector:
-        selector.register(out, selectors.EVENT_READ)
-        if not selector.select(timeout=PROBE_TIMEOUT):
-            return False
-    return out.readline().strip() == "compiled"
+    line: list[str] = []
+    reader = threading.Thread(target=lambda: line.append(out.readline()), daemon=True)
+    reader.start()
+    reader.join(PROBE_TIMEOUT)
+    return bool(line) and line[0].strip() == "compiled"
 
 
 def _stop(child: subprocess.Popen) -> None:
