@@ -133,11 +133,6 @@ def time_steps(compiled):
     return result
 
 
-def measure(dtype):
-    """:func:`compile_steps`, then :func:`time_steps`."""
-    return time_steps(compile_steps(dtype))
-
-
 def _roles(before, after):
     """`after`'s BLAS libraries, each with the backend it serves: a library that was not
     loaded before the C step first ran is the C backend's own."""

@@ -200,6 +200,12 @@ def _write(path: str, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+#: seconds a probe process may take to compile, and then to time
+PROBE_TIMEOUT = 600
+#: the probe's command line after the interpreter
+PROBE_ARGS = ("-m", "lasagne_accum._probe")
+
+
 def _probe(dtypes: list[str]) -> dict[str, Any]:
     """Run :mod:`lasagne_accum._probe` in child processes (the caller's environment).
 
@@ -251,12 +257,6 @@ def _probe(dtypes: list[str]) -> dict[str, Any]:
     if not answer["dtypes"]:
         raise RuntimeError("; ".join(answer["errors"].values()))
     return answer
-
-
-#: seconds a probe process may take to compile, and then to time
-PROBE_TIMEOUT = 600
-#: the probe's command line after the interpreter
-PROBE_ARGS = ("-m", "lasagne_accum._probe")
 
 
 def _compiled(child: subprocess.Popen) -> bool:

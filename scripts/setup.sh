@@ -91,10 +91,8 @@ if [ "$(cat "$checked" 2>/dev/null)" != "$blas_choice $meta" ]; then
   # set, so that later processes (the tests', the examples', Dask's workers) do not compile
   # those sources again at each import.
   report() {
-    if [ -f "$rc" ]; then
-      PYTENSORRC="$rc:${PYTENSORRC:-$HOME/.pytensorrc}" env -u PYTHONDONTWRITEBYTECODE \
-        "$VENV/bin/python" -m lasagne_accum
-    else env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" -m lasagne_accum; fi
+    if [ -f "$rc" ]; then set -- PYTENSORRC="$rc:${PYTENSORRC:-$HOME/.pytensorrc}"; else set --; fi
+    env -u PYTHONDONTWRITEBYTECODE "$@" "$VENV/bin/python" -m lasagne_accum
   }
   verdict=0
   if [ "$blas_choice" != mkl ]; then

@@ -266,22 +266,28 @@ json.dump({"dtypes": {dtype: entry}, "libraries": [], "load": 0.5}, sys.stdout)
 """
 
 
+def _started_processes(monkeypatch):
+    """The list of the processes ``subprocess.Popen`` starts from now on."""
+    started = []
+    real_popen = subprocess.Popen
+
+    def popen(args, **kwargs):
+        started.append(real_popen(args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    return started
+
+
 def test_a_failed_probe_process_is_an_error_for_its_dtype_alone(tmp_path, monkeypatch):
     """One process per dtype; the one that exits without an answer gives its dtype an
     error naming the last line it wrote, and the other dtype's answer is kept."""
     script = tmp_path / "fake_probe.py"
     script.write_text(_FAKE_PROBE)
     monkeypatch.setattr(machine, "PROBE_ARGS", (str(script),))
-    calls = []
-    real_popen = subprocess.Popen
-
-    def popen(args, **kwargs):
-        calls.append(args)
-        return real_popen(args, **kwargs)
-
-    monkeypatch.setattr(subprocess, "Popen", popen)
+    children = _started_processes(monkeypatch)
     answer = machine._probe(["float32", "float64"])
-    assert len(calls) == 2
+    assert len(children) == 2
     assert set(answer["dtypes"]) == {"float32"}
     assert answer["errors"]["float64"] == "the probe exited with status 1: boom: no compiler"
     assert answer["load"] == 0.5
@@ -313,14 +319,7 @@ def test_a_silent_probe_process_is_stopped_at_the_timeout(tmp_path, monkeypatch)
     script.write_text("import sys, time\nsys.stdin.readline()\ntime.sleep(60)\n")
     monkeypatch.setattr(machine, "PROBE_ARGS", (str(script),))
     monkeypatch.setattr(machine, "PROBE_TIMEOUT", 0.5)
-    calls = []
-    real_popen = subprocess.Popen
-
-    def popen(args, **kwargs):
-        calls.append(real_popen(args, **kwargs))
-        return calls[-1]
-
-    monkeypatch.setattr(subprocess, "Popen", popen)
+    children = _started_processes(monkeypatch)
     with pytest.raises(RuntimeError, match="status -9"):
         machine._probe(["float32"])
-    assert [child.returncode for child in calls] == [-9]       # killed, and reaped
+    assert [child.returncode for child in children] == [-9]    # killed, and reaped
