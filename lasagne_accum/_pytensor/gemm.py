@@ -218,6 +218,21 @@ def _numba_gemm_kernels():
     def gemm_into(dtype):
         blas = kernels[dtype]
         scalar = np.dtype(dtype).type
+        c_matrix = types.Array(numba.from_dtype(np.dtype(dtype)), 2, "C")
+
+        # The copies for layouts BLAS cannot take run in object mode: compiled, numpy's
+        # copy and assignment of arbitrarily strided arrays are a few seconds of Numba
+        # compile per dtype and layout, for a path that ordinary graphs never take.
+        @numba_njit
+        def contiguous(a):
+            with numba.objmode(c=c_matrix):
+                c = np.ascontiguousarray(a)
+            return c
+
+        @numba_njit
+        def copy_into(z, values):
+            with numba.objmode():
+                z[...] = values
 
         @numba_njit
         def run(z, alpha, x, y, beta):
@@ -230,15 +245,15 @@ def _numba_gemm_kernels():
             aside = zl == 0
             out = z
             if aside:  # a layout BLAS cannot write: compute into a row-major copy, copy in
-                out = np.ascontiguousarray(z)
+                out = contiguous(z)
                 zl, ldz = 2, max(1, n)
             xl, ldx = layout(x)
             if xl == 0:
-                x = np.ascontiguousarray(x)
+                x = contiguous(x)
                 xl, ldx = layout(x)
             yl, ldy = layout(y)
             if yl == 0:
-                y = np.ascontiguousarray(y)
+                y = contiguous(y)
                 yl, ldy = layout(y)
             if zl == 1:  # column-major Z (m x n) = alpha op(X) op(Y) + beta Z
                 blas(N if xl == 1 else T, N if yl == 1 else T, np.int32(m), np.int32(n),
@@ -249,7 +264,7 @@ def _numba_gemm_kernels():
                      np.int32(k), scalar(alpha), y, np.int32(ldy), x, np.int32(ldx),
                      scalar(beta), out, np.int32(ldz))
             if aside:
-                z[...] = out
+                copy_into(z, out)
 
         return run
 
@@ -263,27 +278,40 @@ def register_numba():
     from pytensor.link.numba.dispatch import basic as numba_basic
     from pytensor.link.numba.dispatch.basic import register_funcify_and_cache_key
 
+    import numba
+
     gemm_into = _numba_gemm_kernels()
 
-    @numba_basic.numba_njit
-    def _dot(x, y):
-        return np.dot(np.ascontiguousarray(x), np.ascontiguousarray(y))
-
-    @numba_basic.numba_njit
     def _gemm_aside(z, a, x, y, b):
-        """``b * z + a * x @ y`` in a new array; z is not read when b == 0 (as BLAS)."""
-        if b == 0:
-            return np.asarray(a * _dot(x, y) + np.zeros_like(z))
-        return np.asarray(b * z + a * _dot(x, y))
+        """``b * z + a * x @ y`` in a new C-ordered array of z's dtype (z broadcast, or
+        numpy's error for unaligned shapes); z is not read when b == 0 (as BLAS)."""
+        product = a * np.dot(x, y)
+        value = product + np.zeros_like(z) if b == 0 else b * z + product
+        return np.ascontiguousarray(value, dtype=z.dtype)
+
+    def gemm_aside(dtype):
+        """:func:`_gemm_aside` for Numba, in object mode: the path of shapes that only
+        broadcasting or an error can reconcile, which a compiled ``np.dot`` of arbitrary
+        layouts would cost seconds of compile for."""
+        c_matrix = numba.types.Array(numba.from_dtype(np.dtype(dtype)), 2, "C")
+
+        @numba_basic.numba_njit
+        def aside(z, a, x, y, b):
+            with numba.objmode(value=c_matrix):
+                value = _gemm_aside(z, a, x, y, b)
+            return value
+
+        return aside
 
     @register_funcify_and_cache_key(NumbaGemm)
     def numba_funcify_NumbaGemm(op, node, **kwargs):
         dtype = node.outputs[0].type.dtype
         inplace = bool(op.inplace)
+        aside = gemm_aside(dtype)
         if dtype not in ("float32", "float64"):
             @numba_basic.numba_njit
             def gemm_generic(z, a, x, y, b):
-                return _gemm_aside(z, a.item(), x, y, b.item()).astype(z.dtype)
+                return aside(z, a.item(), x, y, b.item())
 
             return gemm_generic, f"lasagne_accum-gemm-generic-{dtype}-{source_key(__file__)}"
         run = gemm_into(dtype)
@@ -292,7 +320,7 @@ def register_numba():
         def gemm(z, a, x, y, b):
             if x.shape[1] != y.shape[0] or z.shape[0] != x.shape[0] or \
                     z.shape[1] != y.shape[1]:
-                return _gemm_aside(z, a.item(), x, y, b.item())
+                return aside(z, a.item(), x, y, b.item())
             out = z if inplace else z.copy()
             run(out, a.item(), x, y, b.item())
             return out
