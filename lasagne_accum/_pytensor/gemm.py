@@ -198,7 +198,7 @@ def _numba_gemm_kernels():
 
         return call
 
-    @numba_njit(inline="always")
+    @numba_njit
     def layout(a):
         """(1, ld) if `a` is a column-major BLAS matrix, (2, ld) if row-major, else (0, 0)."""
         item = a.itemsize
