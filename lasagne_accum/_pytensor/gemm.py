@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import functools
 
 import numpy as np
 from pytensor.tensor.blas import Dot22, Gemm
@@ -215,6 +216,9 @@ def _numba_gemm_kernels():
     kernels = {"float32": blas_gemm("s"), "float64": blas_gemm("d")}
     N, T = np.int8(ord("N")), np.int8(ord("T"))
 
+    # one set of dispatchers per dtype, shared by every Gemm and Dot22 node of every graph:
+    # each is compiled once per signature, not once per node
+    @functools.cache
     def gemm_into(dtype):
         blas = kernels[dtype]
         scalar = np.dtype(dtype).type
@@ -289,6 +293,7 @@ def register_numba():
         value = product + np.zeros_like(z) if b == 0 else b * z + product
         return np.ascontiguousarray(value, dtype=z.dtype)
 
+    @functools.cache
     def gemm_aside(dtype):
         """:func:`_gemm_aside` for Numba, in object mode: the path of shapes that only
         broadcasting or an error can reconcile, which a compiled ``np.dot`` of arbitrary
