@@ -279,12 +279,17 @@ def _started_processes(monkeypatch):
     return started
 
 
+def _use_probe(tmp_path, monkeypatch, source):
+    """Make :func:`machine._probe` start `source` (a Python script) as its probe."""
+    script = tmp_path / "fake_probe.py"
+    script.write_text(source)
+    monkeypatch.setattr(machine, "PROBE_ARGS", (str(script),))
+
+
 def test_a_failed_probe_process_is_an_error_for_its_dtype_alone(tmp_path, monkeypatch):
     """One process per dtype; the one that exits without an answer gives its dtype an
     error naming the last line it wrote, and the other dtype's answer is kept."""
-    script = tmp_path / "fake_probe.py"
-    script.write_text(_FAKE_PROBE)
-    monkeypatch.setattr(machine, "PROBE_ARGS", (str(script),))
+    _use_probe(tmp_path, monkeypatch, _FAKE_PROBE)
     children = _started_processes(monkeypatch)
     answer = machine._probe(["float32", "float64"])
     assert len(children) == 2
@@ -296,9 +301,7 @@ def test_a_failed_probe_process_is_an_error_for_its_dtype_alone(tmp_path, monkey
 def test_probes_compile_together_and_time_one_after_another(tmp_path, monkeypatch):
     """Each dtype's probe process compiles while the others do; the timings run one
     process at a time."""
-    script = tmp_path / "fake_probe.py"
-    script.write_text(_FAKE_PROBE.replace('if dtype == "float64"', "if False"))
-    monkeypatch.setattr(machine, "PROBE_ARGS", (str(script),))
+    _use_probe(tmp_path, monkeypatch, _FAKE_PROBE.replace('if dtype == "float64"', "if False"))
     answer = machine._probe(["float32", "float64"])
     (s1, t1, e1), (s2, t2, e2) = (answer["dtypes"][d]["clock"] for d in ("float32", "float64"))
     assert max(s1, s2) < min(t1, t2)                # both compiled before either timed
@@ -307,17 +310,13 @@ def test_probes_compile_together_and_time_one_after_another(tmp_path, monkeypatc
 
 
 def test_every_probe_failing_is_an_error(tmp_path, monkeypatch):
-    script = tmp_path / "fake_probe.py"
-    script.write_text("import sys; sys.stderr.write('no numpy'); sys.exit(2)")
-    monkeypatch.setattr(machine, "PROBE_ARGS", (str(script),))
+    _use_probe(tmp_path, monkeypatch, "import sys; sys.stderr.write('no numpy'); sys.exit(2)")
     with pytest.raises(RuntimeError, match="status 2: no numpy"):
         machine._probe(["float32", "float64"])
 
 
 def test_a_silent_probe_process_is_stopped_at_the_timeout(tmp_path, monkeypatch):
-    script = tmp_path / "fake_probe.py"
-    script.write_text("import sys, time\nsys.stdin.readline()\ntime.sleep(60)\n")
-    monkeypatch.setattr(machine, "PROBE_ARGS", (str(script),))
+    _use_probe(tmp_path, monkeypatch, "import sys, time\nsys.stdin.readline()\ntime.sleep(60)\n")
     monkeypatch.setattr(machine, "PROBE_TIMEOUT", 0.5)
     children = _started_processes(monkeypatch)
     with pytest.raises(RuntimeError, match="status -9"):
