@@ -42,7 +42,10 @@ def mode(base: Any = "CVM", *, device: Any = None, compile: bool | None = None) 
     ----------
     base : str, pytensor Mode or None
         A predefined mode's name (``"CVM"``, ``"C"``, ``"NUMBA"``, ``"JAX"``,
-        ``"PYTORCH"``, ``"FAST_RUN"``, ...), a Mode of your own, whose
+        ``"PYTORCH"``, ``"FAST_RUN"``, ...; ``"C"`` compiles the whole graph
+        into one C module and so refuses a graph with an operation that has no
+        C code, such as integer-array indexing, which ``"CVM"`` runs in
+        Python), a Mode of your own, whose
         rewrites are kept, or None for PyTensor's default mode
         (``pytensor.config.mode``).
     device : str or torch.device, optional
