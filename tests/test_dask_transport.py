@@ -279,15 +279,31 @@ def _profiling(dask_worker):
     return "profile" in dask_worker.periodic_callbacks
 
 
+def _intervals(dask_worker=None, dask_scheduler=None):
+    """``{periodic callback: milliseconds}`` of a Dask server."""
+    server = dask_worker if dask_worker is not None else dask_scheduler
+    return {name: pc.callback_time for name, pc in server.periodic_callbacks.items()}
+
+
 def test_local_cluster_workers_keep_glibcs_allocator_default_and_do_not_profile(client):
     """Dask's MALLOC_TRIM_THRESHOLD_ would make every large array fresh pages, each time; its
-    profiler would take the GIL from a trainer every 10 ms."""
+    profiler would take the GIL from a trainer every 10 ms; its housekeeping, at Dask's
+    defaults, runs every 20 to 500 ms in every process of the cluster."""
     from lasagne_accum.distributed.dask.cluster import KEEP_GLIBC_DEFAULT
 
     assert KEEP_GLIBC_DEFAULT == "MALLOC_TRIM_THRESHOLD_"
     assert set(client.run(_environ, KEEP_GLIBC_DEFAULT).values()) == {None}
     assert set(client.run(_environ, "OMP_NUM_THREADS").values()) == {"1"}   # Dask's other
     assert set(client.run(_profiling).values()) == {False}
+    workers = list(client.run(_intervals).values())
+    nannies = [_intervals(nanny) for nanny in client.cluster.workers.values()]
+    scheduler = client.run_on_scheduler(_intervals)
+    assert len(workers) == len(nannies) == 2
+    for server in workers + nannies + [scheduler]:
+        assert server["tick"] == 1000 and server["monitor"] == 5000
+    for server in workers + nannies:
+        assert server["memory_monitor"] == 500
+    assert scheduler["stealing"] == 1000
 
 
 def test_worker_addresses_do_not_come_from_the_clients_cache(client, monkeypatch):
