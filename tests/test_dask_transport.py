@@ -6,8 +6,9 @@ a Dask ``ConnectionPool`` driven by one event-loop thread per process. These
 tests check what that path must keep: exactly-once pushes when a pooled comm
 was closed under it (sent once more only then), ShardLostError when the shards
 are gone, refusals returned as data (Dask logs no traceback), calls from a
-thread that runs an event loop, cross-process all-or-nothing pushes, and TLS
-where the cluster uses it. One loopback ``LocalCluster`` (2 processes) serves
+thread that runs an event loop, cross-process all-or-nothing pushes, TLS
+where the cluster uses it, and the refusal of scripts whose worker processes
+could not import them. One loopback ``LocalCluster`` (2 processes) serves
 the module and is closed at the end.
 """
 
@@ -474,3 +475,58 @@ def test_a_reply_is_decoded_as_a_value_a_refusal_or_no_handler():
     assert type(exc) is PushRejected and "grads['w']" in str(exc) and seconds == []
     gone, _ = transport.decode(None)
     assert isinstance(gone, Gone)
+
+
+_START_CLUSTER = ("from lasagne_accum.distributed.dask import local_cluster\n"
+                  "with local_cluster(1):\n"
+                  "    pass\n")
+
+
+def _run_script(tmp_path, args, stdin=None):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, *args], input=stdin, capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
+
+
+def test_a_script_that_starts_a_cluster_at_its_top_level_is_refused_before_any_process(
+        tmp_path):
+    """Dask's spawned workers import the __main__ script: a top-level call would start a
+    cluster in each of them. Refused with the file and line, before a process starts."""
+    script = tmp_path / "train_me.py"
+    script.write_text("import os\n" + _START_CLUSTER)
+    done = _run_script(tmp_path, [str(script)])
+    assert done.returncode != 0
+    assert f"{script}, line 3: the Dask backend starts worker processes" in done.stderr
+    assert 'if __name__ == "__main__":' in done.stderr
+    assert "Nanny" not in done.stderr            # refused before Dask started anything
+
+
+def test_a_script_read_from_standard_input_is_refused_before_any_process(tmp_path):
+    """spawn re-imports __main__ from its file, which a script read from stdin lacks (Dask's
+    nanny would fail after tracebacks): refused at once, with what to do instead."""
+    done = _run_script(tmp_path, ["-"], stdin=_START_CLUSTER)
+    assert done.returncode != 0
+    assert "a script read from standard input (python -) has none" in done.stderr
+    assert "Nanny" not in done.stderr
+
+
+def test_unguarded_line_knows_main_guards_functions_and_classes():
+    from lasagne_accum.distributed.dask.cluster import unguarded_line
+
+    source = ("import x\n"                          # 1
+              "def f():\n"                          # 2
+              "    train()\n"                       # 3
+              "class C:\n"                          # 4
+              "    y = train()\n"                   # 5
+              "if __name__ == '__main__':\n"        # 6
+              "    train()\n"                       # 7
+              "if '__main__' == __name__:\n"        # 8
+              "    train()\n"                       # 9
+              "if __name__ != '__main__':\n"        # 10
+              "    train()\n"                       # 11
+              "train()\n")                          # 12
+    assert [unguarded_line(source, n) for n in (3, 5, 7, 9, 11, 12)] == [
+        None, None, None, None, 11, 12]
+    assert unguarded_line("def (:\n", 1) is None   # does not parse: no verdict

@@ -116,6 +116,13 @@ def _check_main_guard():
         method = "spawn"
     if method == "fork":
         return
+    if path == "<stdin>":
+        raise RuntimeError(
+            "the Dask backend starts worker processes, and each of them imports the "
+            "__main__ script from its file; a script read from standard input (python -) "
+            "has none. Save it to a file and run that (with the call to train() or "
+            "local_cluster() under if __name__ == \"__main__\":), or use a cluster started "
+            "elsewhere: train(..., dask=DaskOptions(address=...)) or DaskOptions(client=...)")
     frame = sys._getframe(1)
     while frame is not None and not (frame.f_code.co_name == "<module>"
                                      and frame.f_globals is vars(main)):
