@@ -23,15 +23,15 @@ KEEP_GLIBC_DEFAULT = "MALLOC_TRIM_THRESHOLD_"   # left unset in the worker proce
 #: * Dask's statistical profiler samples the stack of a running task every 10 ms on the
 #:   worker's event loop, which takes the GIL from the trainer between its compiled calls.
 #:   The loopback cluster has no dashboard to show the profile: it is off.
-#: * Dask's periodic housekeeping runs less often. At its defaults an idle cluster of
-#:   3 workers spends about 0.13 s of CPU per second (7% of 2 cores), taken from the
-#:   trainers, and a trainer's own worker process takes the GIL from it for each
-#:   callback. The event-loop tick (20 ms; it only times the loop, to warn when it was
-#:   blocked for over ``distributed.admin.tick.limit``, 3 s) runs every second, the
-#:   system monitor (500 ms; it feeds the dashboard's charts) every 5 s, the memory
-#:   monitor (100 ms; pausing, spilling and restarting at the memory limits) every
-#:   500 ms, and the scheduler's work stealing (100 ms; train() pins its tasks to their
-#:   workers) every second: about 0.03 s of CPU per second idle.
+#: * Dask's periodic housekeeping runs less often than its defaults, which wake every
+#:   process of the cluster many times a second: CPU time taken from the trainers on a
+#:   machine with no core to spare, and in a trainer's own process the GIL, taken from
+#:   it for each callback. The event-loop tick (20 ms; it only times the loop, to warn
+#:   when it was blocked for over ``distributed.admin.tick.limit``, 3 s) runs every
+#:   second, the system monitor (500 ms; it feeds the dashboard's charts) every 5 s, the
+#:   memory monitor (100 ms; pausing, spilling and restarting at the memory limits)
+#:   every 500 ms, and the scheduler's work stealing (100 ms; train() pins its tasks to
+#:   their workers) every second.
 WORKER_CONFIG = {f"distributed.nanny.pre-spawn-environ.{KEEP_GLIBC_DEFAULT}": None,
                  "distributed.worker.profile.enabled": False,
                  "distributed.admin.tick.interval": "1s",
@@ -151,7 +151,7 @@ def local_cluster(n_workers=2, *, security=None, silence_logs=logging.ERROR, **c
     """Start a ``LocalCluster`` of processes on 127.0.0.1; yield a Client; close both.
 
     One thread per worker process, no dashboard, random loopback ports, and
-    :data:`WORKER_CONFIG`: Dask's profiler off, glibc's allocator defaults, and
+    the settings of ``WORKER_CONFIG``: Dask's profiler off, glibc's allocator defaults, and
     Dask's periodic housekeeping less often than its defaults (the event-loop
     tick every second, the system monitor every 5 s, the memory monitor every
     500 ms, work stealing every second), which take precedence over the same
