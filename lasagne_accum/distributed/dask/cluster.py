@@ -96,6 +96,11 @@ def unguarded_line(source, line):
     return line
 
 
+# The way round both refusals of _check_main_guard().
+_ELSEWHERE = ("a cluster started elsewhere: train(..., dask=DaskOptions(address=...)) or "
+              "DaskOptions(client=...)")
+
+
 def _check_main_guard():
     """Refuse to start worker processes from a script's top level without a main guard.
 
@@ -121,8 +126,7 @@ def _check_main_guard():
             "the Dask backend starts worker processes, and each of them imports the "
             "__main__ script from its file; a script read from standard input (python -) "
             "has none. Save it to a file and run that (with the call to train() or "
-            "local_cluster() under if __name__ == \"__main__\":), or use a cluster started "
-            "elsewhere: train(..., dask=DaskOptions(address=...)) or DaskOptions(client=...)")
+            f"local_cluster() under if __name__ == \"__main__\":), or use {_ELSEWHERE}")
     frame = sys._getframe(1)
     while frame is not None and not (frame.f_code.co_name == "<module>"
                                      and frame.f_globals is vars(main)):
@@ -142,8 +146,7 @@ def _check_main_guard():
             "top-level code under a main guard:\n\n"
             "    if __name__ == \"__main__\":\n"
             "        ...  # the call to train() or local_cluster()\n\n"
-            "(or use a cluster started elsewhere: train(..., dask=DaskOptions(address=...)) "
-            "or DaskOptions(client=...))")
+            f"(or use {_ELSEWHERE})")
 
 
 @contextlib.contextmanager
