@@ -102,8 +102,13 @@ def squared_norm(grad: TensorVariable, param: SharedVariable, dtype: str) -> Ten
     :data:`GRAM_MIN_SIDE` long on each side, that leaves ``A @ B`` to the in-place
     ``Gemm`` that adds it into the buffer, instead of computing it into a temporary
     (a parameter-sized write and two reads per micro-batch). Its cost grows as
-    ``k^2 (m + n)``: it is the cheaper one while k stays below about
-    ``m n / (m + n)`` (310 for a 784 x 512 weight).
+    ``k^2 (m + n)``.
+
+    The Gram sum is tagged: in the C and Numba modes of :func:`lasagne_accum.mode`
+    the product's gemm and the sum become one
+    :class:`~lasagne_accum._pytensor.gemm_squares.GemmSquares`, which takes the
+    Gram matrices for small batches and, for larger ones, squares the product on
+    its way into the buffer (chosen at each call from the batch).
     """
     from pytensor.tensor.blockwise import Blockwise
     from pytensor.tensor.math import Dot
@@ -114,8 +119,12 @@ def squared_norm(grad: TensorVariable, param: SharedVariable, dtype: str) -> Ten
     shape = np.shape(param.get_value(borrow=True))
     if isinstance(core, Dot) and len(shape) == 2 and min(shape) >= GRAM_MIN_SIDE and \
             all(i.type.ndim == 2 for i in node.inputs):
+        from ._pytensor.gemm_squares import TAG
+
         a, b = (pt.cast(i, dtype) for i in node.inputs)
-        return (pt.dot(a.T, a) * pt.dot(b, b.T)).sum()
+        out = (pt.dot(a.T, a) * pt.dot(b, b.T)).sum()
+        setattr(out.tag, TAG, True)
+        return out
     return sum_of_squares(grad, dtype)
 
 

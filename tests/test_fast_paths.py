@@ -634,3 +634,83 @@ def test_sum_squares_op_python_and_compiled_agree():
         SumSquares()(pt.ivector())
     with pytest.raises(TypeError, match="takes float32"):
         SumSquares("float32")(pt.dvector())
+
+
+# --------------------------------------------------------------- GemmSquares
+
+
+def _gemm_squares_cases(dtype):
+    """(z, alpha, x, y, beta) on both sides of use_gram's line, in several layouts."""
+    from lasagne_accum._pytensor.gemm_squares import use_gram
+
+    rng = np.random.default_rng(11)
+
+    def matrix(shape, layout):
+        if layout == "strided":   # every other column of a wider array
+            return rng.standard_normal((shape[0], 2 * shape[1]))[:, ::2].astype(dtype)
+        a = rng.standard_normal(shape).astype(dtype)
+        return np.asfortranarray(a) if layout == "F" else a
+
+    cases = []
+    for m, k, n in ((40, 3, 30), (40, 30, 30)):     # Gram matrices, then the product's pass
+        for (xl, yl, zl), beta in zip((("C", "C", "C"), ("F", "F", "C"), ("strided", "C", "C"),
+                                       ("C", "strided", "F")), (1.0, 0.5, 0.0, 1.0)):
+            z = matrix((m, n), zl)
+            if beta == 0:
+                z[0, 0] = np.nan   # not read with beta = 0 (as BLAS)
+            cases.append((z, 0.3, matrix((m, k), xl), matrix((k, n), yl), beta))
+        assert use_gram(m, n, 3) and not use_gram(m, n, 30)
+    return cases
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", MODES + ["py"])
+def test_gemm_squares_equals_numpy_on_every_layout_and_both_ways(dtype, mode):
+    """z := beta z + alpha x @ y and sum((x @ y)^2) against numpy in float64, for batches
+    that take the Gram matrices and batches that square the product, in C, Numba and
+    the Python implementation."""
+    from lasagne_accum._pytensor import gemm_squares
+
+    gemm_squares.register_numba()
+    z, x, y = (pt.matrix(v, dtype=dtype) for v in "zxy")
+    alpha, beta = pt.scalar("alpha", dtype=dtype), pt.scalar("beta", dtype=dtype)
+    out = gemm_squares.GemmSquares()(z, alpha, x, y, beta)
+    compiled = (pytensor.compile.mode.Mode(linker="py", optimizer=None) if mode == "py"
+                else la.mode(mode))
+    f = pytensor.function([z, alpha, x, y, beta], out, mode=compiled)
+    assert any(isinstance(n.op, gemm_squares.GemmSquares) for n in f.maker.fgraph.toposort())
+    for zv, a, xv, yv, b in _gemm_squares_cases(dtype):
+        product = xv.astype(np.float64) @ yv.astype(np.float64)
+        want = a * product + (b * zv.astype(np.float64) if b else 0)
+        before = zv.copy()
+        got_z, got_sq = f(zv, np.asarray(a, dtype), xv, yv, np.asarray(b, dtype))
+        assert got_z.dtype == dtype and got_sq.dtype == np.float64
+        _close(got_z, want, dtype, tol=1e-5 if dtype == "float32" else None)
+        np.testing.assert_allclose(got_sq, np.sum(product ** 2),
+                                   rtol=1e-5 if dtype == "float32" else 1e-12)
+        np.testing.assert_array_equal(zv, before)   # not in place: z is left as it was
+    with pytest.raises(ValueError):
+        f(np.zeros((4, 5), dtype), np.asarray(1, dtype), np.zeros((4, 3), dtype),
+          np.zeros((2, 5), dtype), np.asarray(1, dtype))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_noise_scale_accumulate_is_one_inplace_gemm_squares_and_plain_modes_keep_the_gram(mode):
+    """With noise_scale, the large weight's gemm and its squares are one in-place op in our
+    modes; PyTensor's own FAST_RUN keeps the Gram sum."""
+    from lasagne_accum._pytensor.gemm_squares import GemmSquares, ProductSquares
+
+    def accumulate_fn(compile_mode):
+        W = pytensor.shared(np.zeros((130, 129)), name="W")
+        x, t = pt.matrix("x"), pt.matrix("t")
+        loss = ((x @ W - t) ** 2).sum(axis=1).mean() / 2
+        accu = la.accumulate_gradients(loss, [W], weight=x.shape[0], noise_scale=True)
+        return pytensor.function([x, t], [], updates=accu.accumulate, mode=compile_mode)
+
+    f = accumulate_fn(la.mode(mode))
+    ours = [n.op for n in f.maker.fgraph.toposort()]
+    assert [op.inplace for op in ours if isinstance(op, GemmSquares)] == [True], ours
+    assert not any(isinstance(op, ProductSquares) for op in ours), ours
+    assert "W.grad_accu" in _destroyed_inputs(f)
+    plain = [n.op for n in accumulate_fn("FAST_RUN").maker.fgraph.toposort()]
+    assert not any(isinstance(op, (GemmSquares, ProductSquares)) for op in plain), plain

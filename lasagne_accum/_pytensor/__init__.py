@@ -119,7 +119,7 @@ def register_rewrites() -> None:
         return
     from pytensor.compile.mode import optdb
 
-    from . import gemm, lazy_step, literals, sum_squares
+    from . import gemm, gemm_squares, lazy_step, literals, sum_squares
 
     c, numba = TAGS["c"], TAGS["numba"]
     # before PyTensor rewrites anything (canonicalize, 1): the tagged sums as built
@@ -132,6 +132,14 @@ def register_rewrites() -> None:
     optdb.register("lasagne_accum_numba_gemm", gemm.numba_gemm_rewrites(), numba,
                    position=1.71)
     optdb.register("lasagne_accum_gemm_reset", gemm.gemm_reset(), c, numba, position=1.72)
+    # the tagged Gram sums: placeholders before PyTensor rewrites the graph, fused with the
+    # product's Gemm once its BLAS rewrite has made it, written in place with the others
+    optdb.register("lasagne_accum_product_squares", gemm_squares.product_squares(), c, numba,
+                   position=0.71)
+    optdb.register("lasagne_accum_gemm_squares", gemm_squares.gemm_squares(), c, numba,
+                   position=1.73)
+    optdb.register("lasagne_accum_gemm_squares_inplace", gemm_squares.inplace(), c, numba,
+                   position=49.61)
     # after elemwise fusion (49), which makes the C code's scalar constants
     optdb.register("lasagne_accum_exact_literals", literals.exact_literals(), c,
                    position=49.2)

@@ -78,11 +78,12 @@ def build(base: Any = "CVM", device: Any = None, compile: bool | None = None) ->
     key = (id(base_mode), str(device), compile)
     if key in _cache and _cache[key][0]() is base_mode:
         return _cache[key][1]
-    from . import TAGS, gemm, lazy_step, register_rewrites
+    from . import TAGS, gemm, gemm_squares, lazy_step, register_rewrites
 
     register_rewrites()
     if kind == "numba":
         gemm.register_numba()
+        gemm_squares.register_numba()
         lazy_step.register_numba()
     _, optimizer = base_mode.get_linker_optimizer(base_mode.provided_linker,
                                                   base_mode.provided_optimizer)
