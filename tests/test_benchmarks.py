@@ -39,7 +39,7 @@ TABLE_ROW = {
     "distributed.py": r"^\| wide MLP \| ours, Dask sync \| ([\d.]+) \| ([\d.]+) \|",
     "gpu.py": r"^mlp\s+la-jax\s+([\d.]+)\s+([\d.]+)",
     "inplace.py": r"^NUMBA\s+float32\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)",
-    "noise.py": r"^NUMBA\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)",
+    "noise.py": r"^NUMBA\s+256\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)",
     "peers.py": r"^\s+1\s+([\d.]+)\s+([\d.]+)",
     "single_function.py": r"^NUMBA\s+([\d.]+)\s+([\d.]+)\s+lazy",
 }

@@ -89,8 +89,9 @@ def expect_inplace(out):
 
 
 def expect_noise(out):
-    # mode plain-ms noise-ms noise/plain
-    values = {c[0]: c[3] for c in columns(out) if len(c) == 4 and c[0] in ("CVM", "NUMBA")}
+    # mode batch plain-ms noise-ms noise/plain; the target is the batch of 64's
+    values = {c[0]: c[4] for c in columns(out)
+              if len(c) == 5 and c[0] in ("CVM", "NUMBA") and c[1] == "64"}
     targets = set(re.findall(r"noise_scale / without <= (\S+) \[", out))
     assert len(targets) == 1
     return [(values, f"≤ {targets.pop()}")]
