@@ -641,7 +641,7 @@ def test_sum_squares_op_python_and_compiled_agree():
 
 def _gemm_squares_cases(dtype):
     """(z, alpha, x, y, beta) on both sides of use_gram's line, in several layouts."""
-    from lasagne_accum._pytensor.gemm_squares import use_gram
+    from lasagne_accum._pytensor.gemm_squares import BLOCK, use_gram
 
     rng = np.random.default_rng(11)
 
@@ -660,6 +660,11 @@ def _gemm_squares_cases(dtype):
                 z[0, 0] = np.nan   # not read with beta = 0 (as BLAS)
             cases.append((z, 0.3, matrix((m, k), xl), matrix((k, n), yl), beta))
         assert use_gram(m, n, 3) and not use_gram(m, n, 30)
+    # an empty batch; and a product of more than BLOCK elements (several row blocks)
+    cases.append((matrix((6, 5), "C"), 0.3, matrix((6, 0), "C"), matrix((0, 5), "C"), 0.5))
+    m, k, n = BLOCK // 16 + 37, 16, 16
+    assert m * n > BLOCK and not use_gram(m, n, k)
+    cases.append((matrix((m, n), "C"), 0.3, matrix((m, k), "F"), matrix((k, n), "C"), 1.0))
     return cases
 
 
@@ -694,6 +699,39 @@ def test_gemm_squares_equals_numpy_on_every_layout_and_both_ways(dtype, mode):
           np.zeros((2, 5), dtype), np.asarray(1, dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", MODES)
+def test_gemm_squares_in_place_into_a_strided_z(dtype, mode):
+    """Made in place by our rewrite (z a mutable input), into a z that BLAS cannot write
+    (every other column of a wider array): the values arrive in z itself, both ways, and
+    with beta = 0 its NaN is not read."""
+    from lasagne_accum._pytensor import gemm_squares
+
+    gemm_squares.register_numba()
+    z, x, y = (pt.matrix(v, dtype=dtype) for v in "zxy")
+    alpha, beta = pt.scalar("alpha", dtype=dtype), pt.scalar("beta", dtype=dtype)
+    out = gemm_squares.GemmSquares()(z, alpha, x, y, beta)
+    f = pytensor.function([pytensor.In(z, mutable=True), alpha, x, y, beta], out[1],
+                          mode=la.mode(mode))
+    ops = [n.op for n in f.maker.fgraph.toposort() if isinstance(n.op, gemm_squares.GemmSquares)]
+    assert [op.inplace for op in ops] == [True]
+    rng = np.random.default_rng(5)
+    for k, b in ((3, 0.0), (30, 1.0)):   # the Gram matrices, then the product's pass
+        wide = rng.standard_normal((40, 60)).astype(dtype)
+        wide[0, 0] = np.nan
+        zv = wide[:, ::2]
+        before = zv.astype(np.float64)
+        xv, yv = (rng.standard_normal(s).astype(dtype) for s in ((40, k), (k, 30)))
+        product = xv.astype(np.float64) @ yv.astype(np.float64)
+        want = 0.5 * product + (b * before if b else 0)   # NaN at [0, 0] only with beta = 1
+        sq = f(zv, np.asarray(0.5, dtype), xv, yv, np.asarray(b, dtype))
+        assert np.isnan(zv[0, 0]) == (b == 1.0)
+        _close(np.nan_to_num(zv), np.nan_to_num(want), dtype,
+               tol=1e-5 if dtype == "float32" else None)
+        np.testing.assert_allclose(sq, np.sum(product ** 2),
+                                   rtol=1e-5 if dtype == "float32" else 1e-12)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_noise_scale_accumulate_is_one_inplace_gemm_squares_and_plain_modes_keep_the_gram(mode):
     """With noise_scale, the large weight's gemm and its squares are one in-place op in our
@@ -714,3 +752,26 @@ def test_noise_scale_accumulate_is_one_inplace_gemm_squares_and_plain_modes_keep
     assert "W.grad_accu" in _destroyed_inputs(f)
     plain = [n.op for n in accumulate_fn("FAST_RUN").maker.fgraph.toposort()]
     assert not any(isinstance(op, (GemmSquares, ProductSquares)) for op in plain), plain
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_float32_weight_among_float64_params_keeps_the_gram_sum(mode):
+    """The squared norms add up in float64 there, so the Gram sum's factors are cast and
+    no Gemm shares them: the placeholder becomes the Gram sum again, with its numbers."""
+    from lasagne_accum._pytensor.gemm_squares import GemmSquares, ProductSquares
+
+    rng = np.random.default_rng(3)
+    X, T = rng.normal(size=(9, 130)), rng.normal(size=(9, 129))
+    W = pytensor.shared((0.01 * rng.normal(size=(130, 129))).astype("float32"), name="W")
+    c = pytensor.shared(np.zeros(129), name="c")
+    x, t = pt.matrix("x"), pt.matrix("t")
+    loss = ((pt.cast(x, "float32") @ W + c - t) ** 2).sum(axis=1).mean() / 2
+    accu = la.accumulate_gradients(loss, [W, c], weight=x.shape[0], noise_scale=True)
+    f = pytensor.function([x, t], [], updates=accu.accumulate, mode=la.mode(mode))
+    assert not any(isinstance(n.op, (GemmSquares, ProductSquares))
+                   for n in f.maker.fgraph.toposort())
+    f(X, T)
+    r = (X.astype(np.float32) @ W.get_value() + c.get_value() - T) / 9
+    want = 9 * (np.sum((X.astype(np.float32).astype(np.float64).T @ r) ** 2)
+                + np.sum(r.sum(axis=0) ** 2))
+    np.testing.assert_allclose(accu.grad_sq.get_value(), want, rtol=1e-5)

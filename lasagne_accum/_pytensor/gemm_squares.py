@@ -21,7 +21,8 @@ Gram form, which ``squared_norm`` tags):
   PyTensor's BLAS rewrite makes it a ``Gemm``;
 * :func:`gemm_squares` (after the BLAS rewrite) makes each placeholder and the
   ``Gemm`` of the same factors one :class:`GemmSquares`, or, without such a
-  ``Gemm``, the sum of squares of the product (:class:`SumSquares`);
+  ``Gemm`` (a float32 weight among float64 ones: the factors were cast), the Gram
+  sum again;
 * :func:`inplace` lets it write into the buffer.
 
 The buffer gets the numbers of BLAS's own ``beta * z + alpha * x @ y`` (the
@@ -41,8 +42,8 @@ from pytensor.link.c.op import COp
 
 from . import source_key
 
-__all__ = ["GemmSquares", "ProductSquares", "TAG", "product_squares", "gemm_squares",
-           "inplace", "register_numba"]
+__all__ = ["GemmSquares", "ProductSquares", "TAG", "GRAM_RATIO", "use_gram",
+           "product_squares", "gemm_squares", "inplace", "register_numba"]
 
 #: The tag attribute :func:`lasagne_accum.accumulate.squared_norm` sets on a Gram sum.
 TAG = "lasagne_accum_product_squares"
@@ -128,7 +129,7 @@ class GemmSquares(COp):
             out += alpha * product
         outputs[0][0] = out
         m, k = x.shape
-        if m and product.shape[1] and use_gram(m, product.shape[1], k):
+        if m and product.shape[1] and k and use_gram(m, product.shape[1], k):
             gram = np.dot(x.T, x).astype(np.float64) * np.dot(y, y.T).astype(np.float64)
             outputs[1][0] = np.asarray(gram.sum())
         else:
@@ -226,7 +227,7 @@ class GemmSquares(COp):
             const {t} a = *({t}*)PyArray_DATA({alpha});
             const {t} b = *({t}*)PyArray_DATA({beta});
             PyArrayObject* xc = NULL; PyArrayObject* yc = NULL; PyArrayObject* zc = NULL;
-            int xl, yl, ldx, ldy;
+            int xl, yl, ldx = 1, ldy = 1;
             double total = 0.0;
             int ok = 1;
             xl = la_gs_layout({x}, &ldx);
@@ -234,19 +235,21 @@ class GemmSquares(COp):
                 xc = (PyArrayObject*)PyArray_FromAny((PyObject*){x}, NULL, 2, 2,
                                                      NPY_ARRAY_C_CONTIGUOUS, NULL);
                 if (xc == NULL) ok = 0; else xl = la_gs_layout(xc, &ldx);
+                if (ok && !xl) {{ xl = 2; ldx = k > 1 ? (int)k : 1; }}  /* an empty x */
             }}
             yl = la_gs_layout({y}, &ldy);
             if (ok && !yl) {{
                 yc = (PyArrayObject*)PyArray_FromAny((PyObject*){y}, NULL, 2, 2,
                                                      NPY_ARRAY_C_CONTIGUOUS, NULL);
                 if (yc == NULL) ok = 0; else yl = la_gs_layout(yc, &ldy);
+                if (ok && !yl) {{ yl = 2; ldy = n > 1 ? (int)n : 1; }}  /* an empty y */
             }}
             PyArrayObject* zw = {zout};
             if (ok && !PyArray_IS_C_CONTIGUOUS(zw)) {{  /* write into a C-ordered copy */
                 zc = (PyArrayObject*)PyArray_NewCopy(zw, NPY_CORDER);
                 if (zc == NULL) ok = 0; else zw = zc;
             }}
-            const int gram = ok && m > 0 && n > 0 && LA_GS_GRAM(m, n, k);
+            const int gram = ok && m > 0 && n > 0 && k > 0 && LA_GS_GRAM(m, n, k);
             if (gram) {{
                 /* the product into z by BLAS (as Gemm), the squares from the k x k Grams */
                 const {t}* xp = ({t}*)PyArray_DATA(xc ? xc : {x});
@@ -479,13 +482,10 @@ def product_squares():
 
 def gemm_squares():
     """The rewrite: a :class:`ProductSquares` and the ``Gemm`` of the same two factors
-    become one :class:`GemmSquares`; a placeholder without one, the sum of squares of
-    the product."""
+    become one :class:`GemmSquares`; a placeholder without one, the Gram sum again."""
     from pytensor.graph.rewriting.basic import GraphRewriter
     from pytensor.tensor.blas import Gemm
     from pytensor.tensor.math import dot
-
-    from .sum_squares import SumSquares, register_numba as register_sum_squares
 
     class GemmSquaresRewriter(GraphRewriter):
         def add_requirements(self, fgraph):
@@ -506,11 +506,11 @@ def gemm_squares():
                     fgraph.replace_all_validate(
                         [(partner.outputs[0], new[0]), (node.outputs[0], new[1])],
                         reason="lasagne_accum_gemm_squares")
-                else:
-                    register_sum_squares()
-                    fgraph.replace_all_validate(
-                        [(node.outputs[0], SumSquares("float64")(dot(x, y)))],
-                        reason="lasagne_accum_gemm_squares")
+                else:   # the Gram sum as it was built (its factors' dtypes differ from
+                    # the Gemm's, or no Gemm was made)
+                    gram = (dot(x.T, x) * dot(y, y.T)).sum(dtype="float64")
+                    fgraph.replace_all_validate([(node.outputs[0], gram)],
+                                                reason="lasagne_accum_gemm_squares")
 
     return GemmSquaresRewriter()
 
@@ -621,7 +621,7 @@ def register_numba():
                 raise ValueError("GemmSquares: the shapes of z, x and y do not agree")
             a, b = scalar(alpha.item()), scalar(beta.item())
             out = z if inplace else z.copy()
-            if m > 0 and n > 0 and k * k * (m + n) <= GRAM_RATIO * m * n:
+            if m > 0 and n > 0 and k > 0 and k * k * (m + n) <= GRAM_RATIO * m * n:
                 run(out, a, x, y, b)   # as Gemm; the squares from the k x k Gram matrices
                 g1 = np.empty((k, k), dtype=z.dtype)
                 g2 = np.empty((k, k), dtype=z.dtype)
@@ -635,7 +635,10 @@ def register_numba():
             for r0 in range(0, m, rows):
                 r1 = min(m, r0 + rows)
                 t = scratch[:(r1 - r0) * n]
-                run(t.reshape((r1 - r0, n)), 1.0, x[r0:r1], y, 0.0)
+                if k == 0:   # an empty batch: a zero product (BLAS would refuse ld = 0)
+                    t[:] = 0
+                else:
+                    run(t.reshape((r1 - r0, n)), 1.0, x[r0:r1], y, 0.0)
                 total += add_and_square(flat[r0 * n:r1 * n], t, a, b)
             if m * n > 0 and flat.ctypes.data != out.ctypes.data:
                 out[...] = flat.reshape((m, n))
