@@ -177,7 +177,7 @@ class GemmSquares(COp):
         return "free(scratch); scratch = NULL; scratch_bytes = 0;"
 
     def c_code_cache_version(self):
-        return (2, source_key(__file__))
+        return (3, source_key(__file__))
 
     def c_code(self, node, name, inputs, outputs, sub):
         from pytensor.configdefaults import config
@@ -227,41 +227,28 @@ class GemmSquares(COp):
             const {t} a = *({t}*)PyArray_DATA({alpha});
             const {t} b = *({t}*)PyArray_DATA({beta});
             PyArrayObject* xc = NULL; PyArrayObject* yc = NULL; PyArrayObject* zc = NULL;
-            int xl, yl, ldx = 1, ldy = 1;
+            int ldx = 1, ldy = 1, yl = 0;
             double total = 0.0;
-            int ok = 1;
-            xl = la_gs_layout({x}, &ldx);
-            if (!xl) {{
-                xc = (PyArrayObject*)PyArray_FromAny((PyObject*){x}, NULL, 2, 2,
-                                                     NPY_ARRAY_C_CONTIGUOUS, NULL);
-                if (xc == NULL) ok = 0; else xl = la_gs_layout(xc, &ldx);
-                if (ok && !xl) {{ xl = 2; ldx = k > 1 ? (int)k : 1; }}  /* an empty x */
-            }}
-            yl = la_gs_layout({y}, &ldy);
-            if (ok && !yl) {{
-                yc = (PyArrayObject*)PyArray_FromAny((PyObject*){y}, NULL, 2, 2,
-                                                     NPY_ARRAY_C_CONTIGUOUS, NULL);
-                if (yc == NULL) ok = 0; else yl = la_gs_layout(yc, &ldy);
-                if (ok && !yl) {{ yl = 2; ldy = n > 1 ? (int)n : 1; }}  /* an empty y */
-            }}
+            const int xl = la_gs_matrix({x}, &xc, &ldx);
+            int ok = xl != 0;
+            if (ok) {{ yl = la_gs_matrix({y}, &yc, &ldy); ok = yl != 0; }}
             PyArrayObject* zw = {zout};
             if (ok && !PyArray_IS_C_CONTIGUOUS(zw)) {{  /* write into a C-ordered copy */
                 zc = (PyArrayObject*)PyArray_NewCopy(zw, NPY_CORDER);
                 if (zc == NULL) ok = 0; else zw = zc;
             }}
-            const int gram = ok && m > 0 && n > 0 && k > 0 && LA_GS_GRAM(m, n, k);
-            if (gram) {{
-                /* the product into z by BLAS (as Gemm), the squares from the k x k Grams */
+            if (ok && m > 0 && n > 0) {{
                 const {t}* xp = ({t}*)PyArray_DATA(xc ? xc : {x});
                 const {t}* yp = ({t}*)PyArray_DATA(yc ? yc : {y});
-                const size_t need = 2 * (size_t)k * (size_t)k * sizeof({t});
-                if (need > scratch_bytes) {{
-                    free(scratch);
-                    scratch = malloc(need);
-                    scratch_bytes = scratch ? need : 0;
-                }}
-                if (scratch == NULL) {{ PyErr_NoMemory(); ok = 0; }}
-                if (ok) {{
+                const int gram = k > 0 && LA_GS_GRAM(m, n, k);
+                /* rows of the product per gemm: a block that stays in cache */
+                npy_intp rows = LA_GS_BLOCK / n;
+                if (rows < 1) rows = 1;
+                if (rows > m) rows = m;
+                ok = la_gs_reserve(&scratch, &scratch_bytes, (gram ? (size_t)k * (size_t)k * 2
+                                   : (size_t)rows * (size_t)n) * sizeof({t}));
+                if (ok && gram) {{
+                    /* the product into z by BLAS (as Gemm), the squares from the k x k Grams */
                     int mi = (int)m, ni = (int)n, ki = (int)k, ldz = (int)n;
                     char ta = yl == 2 ? 'N' : 'T', tb = xl == 2 ? 'N' : 'T';
                     {gemm}(&ta, &tb, &ni, &mi, &ki, &a, yp, &ldy, xp, &ldx, &b,
@@ -275,36 +262,25 @@ class GemmSquares(COp):
                     char n2 = yl == 2 ? 'T' : 'N', t2 = yl == 2 ? 'N' : 'T';
                     {gemm}(&n2, &t2, &ki, &ki, &ni, &one, yp, &ldy, yp, &ldy, &zero, g2, &ki);
                     total = la_gs_dot_{dtype}(g1, g2, (npy_intp)k * k);
-                }}
-            }} else if (ok && m > 0 && n > 0) {{
-                const {t}* xp = ({t}*)PyArray_DATA(xc ? xc : {x});
-                const {t}* yp = ({t}*)PyArray_DATA(yc ? yc : {y});
-                {t}* zp = ({t}*)PyArray_DATA(zw);
-                /* rows of the product per gemm: a block that stays in cache */
-                npy_intp rows = LA_GS_BLOCK / n;
-                if (rows < 1) rows = 1;
-                if (rows > m) rows = m;
-                const size_t need = (size_t)rows * (size_t)n * sizeof({t});
-                if (need > scratch_bytes) {{
-                    free(scratch);
-                    scratch = malloc(need);
-                    scratch_bytes = scratch ? need : 0;
-                }}
-                if (scratch == NULL) {{ PyErr_NoMemory(); ok = 0; }}
-                for (npy_intp r0 = 0; ok && r0 < m; r0 += rows) {{
-                    const npy_intp r1 = r0 + rows < m ? r0 + rows : m;
-                    int mb = (int)(r1 - r0), ni = (int)n, ki = (int)k;
-                    /* the row-major block T (mb x n) is the column-major T^T = y^T x^T */
-                    char ta = yl == 2 ? 'N' : 'T', tb = xl == 2 ? 'N' : 'T';
-                    const {t} one = 1, zero = 0;
-                    const {t}* xb = xp + (xl == 2 ? r0 * (npy_intp)ldx : r0);
-                    {t}* tp = ({t}*)scratch;
-                    if (k == 0) {{
-                        memset(tp, 0, (size_t)mb * (size_t)n * sizeof({t}));
-                    }} else {{
-                        {gemm}(&ta, &tb, &ni, &mb, &ki, &one, yp, &ldy, xb, &ldx, &zero, tp, &ni);
+                }} else if (ok) {{   /* the product into the scratch, then one pass */
+                    {t}* zp = ({t}*)PyArray_DATA(zw);
+                    for (npy_intp r0 = 0; r0 < m; r0 += rows) {{
+                        const npy_intp r1 = r0 + rows < m ? r0 + rows : m;
+                        int mb = (int)(r1 - r0), ni = (int)n, ki = (int)k;
+                        /* the row-major block T (mb x n): column-major T^T = y^T x^T */
+                        char ta = yl == 2 ? 'N' : 'T', tb = xl == 2 ? 'N' : 'T';
+                        const {t} one = 1, zero = 0;
+                        const {t}* xb = xp + (xl == 2 ? r0 * (npy_intp)ldx : r0);
+                        {t}* tp = ({t}*)scratch;
+                        if (k == 0) {{
+                            memset(tp, 0, (size_t)mb * (size_t)n * sizeof({t}));
+                        }} else {{
+                            {gemm}(&ta, &tb, &ni, &mb, &ki, &one, yp, &ldy, xb, &ldx, &zero,
+                                   tp, &ni);
+                        }}
+                        total += la_gs_add_squares_{dtype}(zp + r0 * n, tp, (npy_intp)mb * n,
+                                                           a, b);
                     }}
-                    total += la_gs_add_squares_{dtype}(zp + r0 * n, tp, (npy_intp)mb * n, a, b);
                 }}
             }}
             if (ok && zc != NULL && PyArray_CopyInto({zout}, zc) != 0) ok = 0;
@@ -341,7 +317,8 @@ _C_SUPPORT = f"""
 #define LA_GS_BLOCK {BLOCK}
 /* the squares from the Gram matrices while k^2 (m + n) <= GRAM_RATIO m n */
 #define LA_GS_GRAM(m, n, k) \
-    ((double)(k) * (double)(k) * ((double)(m) + (double)(n)) <= {GRAM_RATIO} * (double)(m) * (double)(n))
+    ((double)(k) * (double)(k) * ((double)(m) + (double)(n)) \\
+     <= {GRAM_RATIO} * (double)(m) * (double)(n))
 #include <limits.h>
 #include <string.h>
 /* as PyTensor's BLAS header declares them (a declaration repeated, identical) */
@@ -372,6 +349,31 @@ static int la_gs_layout(PyArrayObject* a, int* ld) {{
         return 2;
     }}
     return 0;
+}}
+/* `a` as BLAS takes it: its layout (as la_gs_layout) and leading dimension, through a
+   C-ordered copy in *copy where its strides do not do; 0 if that copy fails */
+static int la_gs_matrix(PyArrayObject* a, PyArrayObject** copy, int* ld) {{
+    int layout = la_gs_layout(a, ld);
+    if (layout) return layout;
+    *copy = (PyArrayObject*)PyArray_FromAny((PyObject*)a, NULL, 2, 2,
+                                            NPY_ARRAY_C_CONTIGUOUS, NULL);
+    if (*copy == NULL) return 0;
+    layout = la_gs_layout(*copy, ld);
+    if (!layout) {{   /* an empty matrix, whose strides numpy leaves as they were */
+        const npy_intp cols = PyArray_DIMS(a)[1];
+        *ld = cols > 1 ? (int)cols : 1;
+        layout = 2;
+    }}
+    return layout;
+}}
+/* the scratch at least `need` bytes long; 0 (a MemoryError set) if it cannot be */
+static int la_gs_reserve(void** scratch, size_t* bytes, const size_t need) {{
+    if (need <= *bytes) return 1;
+    free(*scratch);
+    *scratch = malloc(need);
+    *bytes = *scratch ? need : 0;
+    if (*scratch == NULL) {{ PyErr_NoMemory(); return 0; }}
+    return 1;
 }}
 #endif
 """
@@ -606,6 +608,8 @@ def register_numba():
                     z[i] = beta * z[i] + alpha * v
             return s
 
+        gram_rule = numba_basic.numba_njit(use_gram)
+
         @numba_basic.numba_njit(fastmath={"reassoc"})
         def gram_dot(g1, g2):
             s = 0.0
@@ -621,7 +625,7 @@ def register_numba():
                 raise ValueError("GemmSquares: the shapes of z, x and y do not agree")
             a, b = scalar(alpha.item()), scalar(beta.item())
             out = z if inplace else z.copy()
-            if m > 0 and n > 0 and k > 0 and k * k * (m + n) <= GRAM_RATIO * m * n:
+            if m > 0 and n > 0 and k > 0 and gram_rule(m, n, k):
                 run(out, a, x, y, b)   # as Gemm; the squares from the k x k Gram matrices
                 g1 = np.empty((k, k), dtype=z.dtype)
                 g2 = np.empty((k, k), dtype=z.dtype)
