@@ -662,6 +662,7 @@ def _gemm_squares_cases(dtype):
         assert use_gram(m, n, 3) and not use_gram(m, n, 30)
     # an empty batch; and a product of more than BLOCK elements (several row blocks)
     cases.append((matrix((6, 5), "C"), 0.3, matrix((6, 0), "C"), matrix((0, 5), "C"), 0.5))
+    assert not use_gram(6, 5, 0)   # the empty batch takes the product's way
     m, k, n = BLOCK // 16 + 37, 16, 16
     assert m * n > BLOCK and not use_gram(m, n, k)
     cases.append((matrix((m, n), "C"), 0.3, matrix((m, k), "F"), matrix((k, n), "C"), 1.0))

@@ -129,7 +129,7 @@ class GemmSquares(COp):
             out += alpha * product
         outputs[0][0] = out
         m, k = x.shape
-        if m and product.shape[1] and k and use_gram(m, product.shape[1], k):
+        if m and product.shape[1] and use_gram(m, product.shape[1], k):
             gram = np.dot(x.T, x).astype(np.float64) * np.dot(y, y.T).astype(np.float64)
             outputs[1][0] = np.asarray(gram.sum())
         else:
@@ -240,7 +240,7 @@ class GemmSquares(COp):
             if (ok && m > 0 && n > 0) {{
                 const {t}* xp = ({t}*)PyArray_DATA(xc ? xc : {x});
                 const {t}* yp = ({t}*)PyArray_DATA(yc ? yc : {y});
-                const int gram = k > 0 && LA_GS_GRAM(m, n, k);
+                const int gram = LA_GS_GRAM(m, n, k);
                 /* rows of the product per gemm: a block that stays in cache */
                 npy_intp rows = LA_GS_BLOCK / n;
                 if (rows < 1) rows = 1;
@@ -309,15 +309,16 @@ GRAM_RATIO = 14.0
 
 def use_gram(m: int, n: int, k: int) -> bool:
     """Whether :class:`GemmSquares` takes the squares of an ``(m, k) @ (k, n)`` product
-    from its Gram matrices (see :data:`GRAM_RATIO`)."""
-    return k * k * (m + n) <= GRAM_RATIO * m * n
+    from its Gram matrices (see :data:`GRAM_RATIO`); never for an empty batch (k = 0),
+    whose Gram matrices BLAS cannot take (leading dimension 0)."""
+    return k > 0 and k * k * (m + n) <= GRAM_RATIO * m * n
 
 _C_SUPPORT = f"""
 #ifndef LA_GS_BLOCK
 #define LA_GS_BLOCK {BLOCK}
-/* the squares from the Gram matrices while k^2 (m + n) <= GRAM_RATIO m n */
+/* the squares from the Gram matrices while k^2 (m + n) <= GRAM_RATIO m n and k > 0 */
 #define LA_GS_GRAM(m, n, k) \
-    ((double)(k) * (double)(k) * ((double)(m) + (double)(n)) \\
+    ((k) > 0 && (double)(k) * (double)(k) * ((double)(m) + (double)(n)) \\
      <= {GRAM_RATIO} * (double)(m) * (double)(n))
 #include <limits.h>
 #include <string.h>
@@ -625,7 +626,7 @@ def register_numba():
                 raise ValueError("GemmSquares: the shapes of z, x and y do not agree")
             a, b = scalar(alpha.item()), scalar(beta.item())
             out = z if inplace else z.copy()
-            if m > 0 and n > 0 and k > 0 and gram_rule(m, n, k):
+            if m > 0 and n > 0 and gram_rule(m, n, k):
                 run(out, a, x, y, b)   # as Gemm; the squares from the k x k Gram matrices
                 g1 = np.empty((k, k), dtype=z.dtype)
                 g2 = np.empty((k, k), dtype=z.dtype)
